@@ -14,14 +14,13 @@ PY := $(BIN)/python
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
 TEST_ENV :=
-TORCH_SPEC := torch
 else
 TEST_ENV := TRITON_INTERPRET=1
-TORCH_SPEC := torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
 endif
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 NBDEV_WORKERS ?= 2
 
-.PHONY: help setup demo test export check-sync check-clean readme check-readme nbtest pytest docs-check clean
+.PHONY: help setup install-torch demo test export check-sync check-clean readme check-readme nbtest pytest docs-check clean
 
 help:
 	@echo "make demo        set up, then run the main job on the shipped demo model"
@@ -34,8 +33,20 @@ $(PY):
 
 # torch first (the CPU build where there is no GPU), and only when none is installed.
 setup: $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
+	@$(PY) -c "import torch" 2>/dev/null || $(MAKE) --no-print-directory install-torch
 	$(PY) -m pip install --quiet -e ".[dev]"
+
+install-torch: $(PY)
+ifeq ($(HAS_GPU),1)
+	$(PY) -m pip install --quiet torch
+else
+	@if $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/', timeout=5)" >/dev/null 2>&1; then \
+	  echo "installing the CPU build of torch"; $(PY) -m pip install --quiet torch --index-url $(TORCH_CPU_INDEX); \
+	else \
+	  echo "PyTorch's CPU index is unreachable: installing torch==2.13.0 (a CPU wheel from the configured index)"; \
+	  $(PY) -m pip install --quiet torch==2.13.0; \
+	fi
+endif
 
 demo: setup
 	$(BIN)/hetero-infer demo

@@ -1,0 +1,251 @@
+"""Property tests of the paged KV-cache block manager (hypothesis)."""
+import copy
+import pytest
+from hypothesis import given, settings, strategies as st, HealthCheck
+from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
+
+from hetero_infer.core import Sequence
+from hetero_infer.block_manager import BlockManager, NoFreeBlocksError, hash_block
+
+EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+tokens = st.lists(st.integers(0, 3), min_size=1, max_size=24)   # a small alphabet, so prefixes repeat and the cache hits
+
+
+def mkseq(i, toks): return Sequence(i, f"r{i}", list(toks), len(toks))
+
+def manager_state(bm):
+    "Everything the manager owns, to compare before and after a refused call."
+    return (list(bm.free_ids), list(bm.evictable), dict(bm.cached), [(b.ref_count, b.hash, b.token_ids) for b in bm.blocks],
+            {k: list(s.block_table) for k, s in bm.seqs.items()}, copy.copy(bm.stats))
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random admissions, prefill chunks, decodes (one by one and batched), forks and frees against one manager.
+    `kv` simulates the physical cache: every slot the manager hands out is written with what a real K/V vector depends
+    on, the token *and its whole prefix*; every copy is performed. A wrong slot, a missed copy-on-write or a bad
+    prefix-cache hit (even one with equal block tokens after a different prefix) shows up as wrong cache content."""
+
+    @initialize(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 2, 4, 8]), caching=st.booleans())
+    def setup(self, num_blocks, block_size, caching):
+        self.bm, self.bs = BlockManager(num_blocks, block_size, caching), block_size
+        self.kv, self.live, self.freed, self.next_id = {}, {}, [], 0
+
+    def _pick(self, i, want=lambda s: True):
+        cands = [s for _, s in sorted(self.live.items()) if want(s)]
+        return cands[i % len(cands)] if cands else None
+
+    def _write(self, seq, n, slots, copies):
+        "Perform the step the scheduler and runner would: copies, then KV writes, then advance."
+        bs, bm = self.bs, self.bm
+        for src, dst in copies:
+            assert src != dst and bm.blocks[dst].ref_count == 1
+            for k in range(bs): self.kv[dst * bs + k] = self.kv.get(src * bs + k)
+        c = seq.num_computed_tokens
+        assert len(slots) == n == len(set(slots))
+        for p, slot in zip(range(c, c + n), slots):
+            b = slot // bs
+            assert slot == seq.block_table[p // bs] * bs + p % bs
+            # copy-on-write: the block written is in exactly one table, this one: no one else reads or writes the slot
+            assert bm.blocks[b].ref_count == 1
+            assert [o.seq_id for o in self.live.values() if b in o.block_table] == [seq.seq_id]
+            self.kv[slot] = tuple(seq.token_ids[:p + 1])
+        seq.num_computed_tokens += n
+
+    @rule(toks=tokens)
+    def add(self, toks):
+        s, before = mkseq(self.next_id, toks), manager_state(self.bm)
+        self.next_id += 1
+        if self.bm.can_allocate(s):
+            self.bm.allocate(s)
+            self.live[s.seq_id] = s
+            c = s.num_computed_tokens
+            assert c == s.num_cached_tokens and c % self.bs == 0 and c < len(s)
+            assert self.bm.enable_prefix_caching or c == 0
+            assert len(s.block_table) == -(-len(s) // self.bs)
+            for i in range(c // self.bs):    # a prefix-cache hit holds exactly the prompt's tokens
+                assert self.bm.blocks[s.block_table[i]].token_ids == tuple(toks[i * self.bs:(i + 1) * self.bs])
+            assert [self.kv.get(s.block_table[p // self.bs] * self.bs + p % self.bs) for p in range(c)] == [tuple(toks[:p + 1]) for p in range(c)]
+        else:
+            with pytest.raises(NoFreeBlocksError): self.bm.allocate(s)
+            assert manager_state(self.bm) == before and s.block_table == []
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), frac=st.floats(0, 1))
+    def compute(self, i, frac):
+        s = self._pick(i, lambda s: s.num_uncomputed_tokens > 0)
+        if s is None: return
+        n = max(1, round(frac * s.num_uncomputed_tokens))
+        before = manager_state(self.bm)
+        if self.bm.can_append(s, n): self._write(s, n, *self.bm.append_slots(s, n))
+        else:
+            with pytest.raises(NoFreeBlocksError): self.bm.append_slots(s, n)
+            assert manager_state(self.bm) == before
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), tok=st.integers(0, 3))
+    def sample(self, i, tok):
+        s = self._pick(i, lambda s: s.num_uncomputed_tokens == 0)
+        if s is not None: s.append_token(tok)
+
+    @precondition(lambda self: self.live)
+    @rule(tok=st.integers(0, 3))
+    def decode_batch(self, tok):
+        "Every fully computed sequence samples a token; one batched call makes room for all of them."
+        seqs = [s for _, s in sorted(self.live.items()) if s.num_uncomputed_tokens == 0]
+        for s in seqs: s.append_token(tok)
+        before = manager_state(self.bm)
+        try: slots, copies = self.bm.append_decode_slots(seqs)
+        except NoFreeBlocksError:
+            assert manager_state(self.bm) == before
+            for s in seqs: s.token_ids.pop()
+            return
+        for s, slot in zip(seqs, slots): self._write(s, 1, [slot], [c for c in copies if c[1] == slot // self.bs])
+        assert len(copies) == len({d for _, d in copies})
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99))
+    def fork(self, i):
+        p = self._pick(i)
+        child = p.fork(self.next_id, 1); self.next_id += 1
+        self.bm.fork(p, child)
+        self.live[child.seq_id] = child
+        assert child.block_table == p.block_table
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99))
+    def free(self, i):
+        s = self._pick(i)
+        self.bm.free(s)
+        self.freed.append(self.live.pop(s.seq_id))
+        assert s.block_table == []
+
+    @precondition(lambda self: self.freed)
+    @rule(i=st.integers(0, 99))
+    def double_free(self, i):
+        s = self.freed[i % len(self.freed)]
+        before = manager_state(self.bm)
+        with pytest.raises(KeyError, match=f"sequence {s.seq_id}"): self.bm.free(s)
+        assert manager_state(self.bm) == before
+
+    @rule()
+    def free_unknown(self):
+        with pytest.raises(KeyError, match="holds no blocks"): self.bm.free(mkseq(10**6, [1]))
+
+    @invariant()
+    def pool_is_consistent(self):
+        bm = self.bm
+        held = [b for s in self.live.values() for b in s.block_table]
+        free = list(bm.free_ids) + list(bm.evictable)
+        # free + used = total, and no block is both free and in a table
+        assert len(free) == len(set(free)) and not set(free) & set(held)
+        assert len(free) + len(set(held)) == bm.num_blocks == bm.num_free_blocks() + len(set(held))
+        assert abs(bm.usage() - len(set(held)) / bm.num_blocks) < 1e-12
+        # ref counts equal the number of tables holding each block
+        for blk in bm.blocks: assert blk.ref_count == held.count(blk.block_id), blk
+        assert set(bm.seqs) == set(self.live)
+        # the cache: hash -> block is a bijection onto the blocks carrying a hash; evictable ones are cached and unreferenced
+        assert {h: b for h, b in bm.cached.items()} == {blk.hash: blk.block_id for blk in bm.blocks if blk.hash is not None}
+        assert all(bm.blocks[b].hash is not None and bm.blocks[b].ref_count == 0 for b in bm.evictable)
+        assert all(bm.blocks[b].hash is None for b in bm.free_ids)
+
+    @invariant()
+    def cache_content_is_each_sequences_tokens(self):
+        "Every computed position of every live sequence reads back its own token: CoW and prefix hits never mix sequences."
+        bs = self.bs
+        for s in self.live.values():
+            got = [self.kv.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.num_computed_tokens)]
+            assert got == [tuple(s.token_ids[:p + 1]) for p in range(s.num_computed_tokens)], s
+        for blk in self.bm.blocks:      # a cached block's content is the tokens it is published under
+            if blk.hash is not None: assert tuple(self.kv[blk.block_id * bs + k][-1] for k in range(bs)) == blk.token_ids
+
+    def teardown(self):
+        "Freeing everything restores the full pool."
+        if not hasattr(self, "bm"): return
+        for s in list(self.live.values()): self.bm.free(s)
+        bm = self.bm
+        assert bm.num_free_blocks() == bm.num_blocks and bm.usage() == 0 and not bm.seqs
+        assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
+                                                 suppress_health_check=[HealthCheck.too_slow])
+TestBlockManager = BlockManagerMachine.TestCase
+
+
+@EXAMPLES
+@given(prompts=st.lists(tokens, min_size=1, max_size=8), block_size=st.sampled_from([1, 2, 3, 4]))
+def test_prefix_hit_is_longest_cached_prefix(prompts, block_size):
+    "With room for everything (no eviction), a prompt reuses exactly its longest full-block prefix shared with an earlier one, minus the last token's block."
+    bm, bs = BlockManager(200, block_size), block_size
+    for i, toks in enumerate(prompts):
+        s = mkseq(i, toks); bm.allocate(s)
+        best = 0
+        for prev in prompts[:i]:
+            k = 0
+            while k < min(len(prev), len(toks)) and prev[k] == toks[k]: k += 1
+            best = max(best, min(k // bs, (len(prev)) // bs))     # prev published all its full blocks
+        want = min(best, (len(toks) - 1) // bs) * bs
+        assert s.num_cached_tokens == s.num_computed_tokens == want
+        for j in range(want // bs):
+            assert bm.blocks[s.block_table[j]].token_ids == tuple(toks[j * bs:(j + 1) * bs])
+        bm.append_slots(s, len(toks) - want); s.num_computed_tokens = len(toks)
+        bm.free(s)
+    assert bm.num_free_blocks() == bm.num_blocks
+
+
+@EXAMPLES
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=10), num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 4, 16]))
+def test_running_out_is_reported_and_changes_nothing(sizes, num_blocks, block_size):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    for i, n in enumerate(sizes):
+        s, before = mkseq(i, range(1000 * i, 1000 * i + n)), manager_state(bm)
+        fits = -(-n // block_size) <= bm.num_free_blocks()
+        assert bm.can_allocate(s) == fits and bm.blocks_needed(s) == -(-n // block_size)
+        if fits: bm.allocate(s)
+        else:
+            with pytest.raises(NoFreeBlocksError): bm.allocate(s)
+            assert manager_state(bm) == before and s.block_table == [] and s.seq_id not in bm.seqs
+
+
+@EXAMPLES
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=12), block_size=st.sampled_from([1, 2, 4, 8]),
+       forks=st.lists(st.integers(0, 11), max_size=4), steps=st.integers(1, 20))
+def test_batched_decode_equals_per_sequence(lens, block_size, forks, steps):
+    "append_decode_slots gives the same slots, copies and state as append_slots(seq, 1) per sequence."
+    twins = []
+    for _ in range(2):
+        bm, seqs = BlockManager(2000, block_size), []
+        for i, n in enumerate(lens):
+            s = mkseq(i, [i % 3] * n); bm.allocate(s); bm.append_slots(s, n - s.num_computed_tokens); s.num_computed_tokens = n; seqs.append(s)
+        for j, f in enumerate(forks):
+            c = seqs[f % len(seqs)].fork(100 + j, 1); bm.fork(seqs[f % len(seqs)], c); seqs.append(c)
+        twins.append((bm, seqs))
+    (b1, s1), (b2, s2) = twins
+    for t in range(steps):
+        for s in s1 + s2: s.append_token(t % 5)
+        got = b1.append_decode_slots(s1)
+        slots, copies = [], []
+        for s in s2: sl, cp = b2.append_slots(s, 1); slots += sl; copies += cp
+        assert got == (slots, copies)
+        for s in s1 + s2: s.num_computed_tokens += 1
+    assert [b.ref_count for b in b1.blocks] == [b.ref_count for b in b2.blocks] and b1.num_free_blocks() == b2.num_free_blocks()
+    assert [s.block_table for s in s1] == [s.block_table for s in s2]
+
+
+@EXAMPLES
+@given(toks=tokens, block_size=st.sampled_from([1, 2, 4]))
+def test_free_unknown_and_double_free_raise(toks, block_size):
+    bm = BlockManager(64, block_size)
+    s = mkseq(7, toks)
+    with pytest.raises(KeyError, match="sequence 7"): bm.free(s)
+    bm.allocate(s); bm.free(s)
+    with pytest.raises(KeyError, match="sequence 7 holds no blocks"): bm.free(s)
+    assert bm.num_free_blocks() == 64
+
+
+@EXAMPLES
+@given(a=tokens, b=tokens, parent=st.binary(max_size=32))
+def test_block_hash_names_the_content(a, b, parent):
+    assert (hash_block(parent, a) == hash_block(parent, b)) == (a == b)
+    assert hash_block(parent, a) == hash_block(bytes(parent), tuple(a))
+    assert hash_block(b"", a) != hash_block(hash_block(b"", [4]), a)
