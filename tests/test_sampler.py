@@ -1,0 +1,299 @@
+"""Property tests and dense sweeps for hetero_infer.sampler (CPU, seconds)."""
+import math
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st, HealthCheck
+
+from hetero_infer.core import Sequence, SamplingParams
+from hetero_infer.sampler import (Sampler, SamplerOutput, apply_penalties, apply_top_k_top_p, sampling_probs,
+                                  seen_tokens, token_logprobs, exponential_race, row_seed)
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def seq(prompt=(1,), out=(), seq_id=0, index=0, **kw) -> Sequence:
+    "A sequence with prompt `prompt` that has generated `out` so far."
+    return Sequence(seq_id, f"r{seq_id}", list(prompt) + list(out), len(prompt), SamplingParams(**kw), index=index)
+
+
+def rand_logits(n, v, seed, scale=3.0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# --- greedy ---------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(n=st.integers(1, 8), v=st.integers(2, 300), seed=st.integers(0, 10_000))
+def test_greedy_is_argmax(n, v, seed):
+    x = rand_logits(n, v, seed)
+    out = Sampler([0])(x, [seq(temperature=0) for _ in range(n)])
+    assert out.token_ids == x.argmax(-1).tolist()
+    assert torch.allclose(torch.tensor(out.logprobs), x.log_softmax(-1).max(-1).values, atol=1e-5)
+
+
+def test_greedy_rows_in_a_mixed_batch_are_argmax():
+    x = rand_logits(6, 500, 3)
+    seqs = [seq(temperature=0) if i % 2 else seq(temperature=1.0, top_p=0.9) for i in range(6)]
+    out = Sampler([0])(x, seqs)
+    assert out.token_ids[1::2] == x[1::2].argmax(-1).tolist()
+
+
+def test_input_logits_untouched_and_shapes():
+    x = rand_logits(3, 50, 0)
+    x0 = x.clone()
+    out = Sampler([0])(x, [seq(min_tokens=2, repetition_penalty=1.3, temperature=0.5, top_k=5, logprobs=2)] * 3)
+    assert torch.equal(x, x0)
+    assert isinstance(out, SamplerOutput) and len(out.token_ids) == len(out.logprobs) == len(out.top_logprobs) == 3
+    assert all(isinstance(t, int) for t in out.token_ids) and all(isinstance(l, float) for l in out.logprobs)
+
+
+# --- filters never emit a filtered token -----------------------------------------------------------
+
+@SETTINGS
+@given(v=st.integers(2, 200), seed=st.integers(0, 10_000), temperature=st.floats(0.05, 3.0),
+       top_k=st.integers(-1, 60), top_p=st.floats(0.01, 1.0), min_p=st.floats(0.0, 1.0), sample_seed=st.integers(0, 2**40))
+def test_filters_never_emit_a_filtered_token(v, seed, temperature, top_k, top_p, min_p, sample_seed):
+    x = rand_logits(16, v, seed)
+    seqs = [seq(seq_id=i, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=sample_seed + i) for i in range(16)]
+    toks = torch.tensor(Sampler([0])(x, seqs).token_ids)
+    z = x / temperature
+    k = v if top_k <= 0 else min(top_k, v)
+    kth = z.topk(k, dim=-1).values[:, -1]                                        # (16,)
+    zt = z.gather(-1, toks[:, None])[:, 0]
+    assert (zt >= kth).all()                                                     # inside the top-k
+    zk = torch.where(z >= kth[:, None], z, torch.tensor(float("-inf")))
+    pk = zk.softmax(-1)                                                          # the renormalized top-k distribution
+    pt = pk.gather(-1, toks[:, None])[:, 0]
+    above = (pk * (pk > pt[:, None])).sum(-1)                                    # mass strictly more likely than the token
+    assert (above < top_p + 1e-5).all() or top_p >= 1                            # inside the nucleus
+    assert (pt >= min_p * pk.max(-1).values - 1e-6).all()                        # above the min-p cut (ratio is renormalization-free)
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_masks_match_transformers_warpers(case):
+    "top-k, top-p and min-p keep exactly the tokens Hugging Face's warpers keep (random, tie-free logits)."
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper
+    g = torch.Generator().manual_seed(case)
+    v = int(torch.randint(5, 3000, (1,), generator=g))
+    x = torch.randn(4, v, generator=g) * float(torch.rand(1, generator=g) * 6 + 0.3)
+    k, p, m = int(torch.randint(1, v + 1, (1,), generator=g)), float(torch.rand(1, generator=g) * 0.98 + 0.01), float(torch.rand(1, generator=g) * 0.3)
+    hf = MinPLogitsWarper(m)(None, TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, x.clone())))
+    T, K, P, M = torch.ones(4), torch.full((4,), k), torch.full((4,), p), torch.full((4,), m)
+    ours = sampling_probs(x, T, K, P, M)
+    assert torch.equal(hf.isfinite(), ours > 0)
+    assert torch.allclose(ours, hf.softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("num_candidates", [1, 7, 64, 10_000])
+def test_top_k_top_p_candidates_equal_full_sort(num_candidates):
+    "Looking at K candidates first, with the full-sort fallback, keeps exactly what a full sort keeps."
+    g = torch.Generator().manual_seed(num_candidates)
+    x = torch.randn(48, 700, generator=g) * torch.linspace(0.2, 10, 48)[:, None]
+    k = torch.randint(1, 900, (48,), generator=g).clamp(max=700)
+    k[::4] = 700
+    p = torch.rand(48, generator=g)
+    p[1::5] = 1.0
+    full = apply_top_k_top_p(x, k, p, num_candidates=700)
+    assert torch.equal(apply_top_k_top_p(x, k, p, num_candidates=num_candidates), full)
+
+
+# --- the empirical distribution ------------------------------------------------------------------
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    keep = probs > 0
+    exp = probs[keep] * n
+    return float(((counts[keep] - exp) ** 2 / exp).sum())
+
+
+# 99.9% quantiles of chi-square by degrees of freedom (a correct sampler fails 1 time in 1000; all draws here are seeded)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_temperature_sampling_matches_softmax(temperature, seeded):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    n = 4000
+    seqs = [seq(seq_id=i, temperature=temperature, seed=(10_000 + i if seeded else None)) for i in range(n)]
+    toks = torch.tensor(Sampler([99], seed=5)(logits.expand(n, -1), seqs).token_ids)
+    counts = torch.bincount(toks, minlength=8).float()
+    target = (logits / temperature).softmax(-1)
+    assert chi_square(counts, target) < CHI2_999[7]
+    assert 0.5 * (counts / n - target).abs().sum() < 0.04                       # total-variation distance
+
+
+def test_top_p_sampling_matches_renormalized_nucleus():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
+    n = 4000
+    toks = torch.tensor(Sampler([99], seed=1)(logits.expand(n, -1), [seq(seq_id=i, top_p=0.95) for i in range(n)]).token_ids)
+    probs = logits.softmax(-1)
+    srt, idx = probs.sort(descending=True)
+    keep = idx[(srt.cumsum(-1) - srt) < 0.95]
+    target = torch.zeros(8); target[keep] = probs[keep]; target /= target.sum()
+    counts = torch.bincount(toks, minlength=8).float()
+    assert counts[target == 0].sum() == 0
+    assert chi_square(counts, target) < CHI2_999[int((target > 0).sum()) - 1]
+
+
+def test_exponential_race_frequencies():
+    probs = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
+    n = 20_000
+    noise = torch.empty(n, 5).exponential_(generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(exponential_race(probs.expand(n, -1), noise), minlength=5).float()
+    assert counts[2] == 0
+    assert chi_square(counts, probs) < CHI2_999[3]
+
+
+# --- penalties -----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(v=st.integers(4, 60), seed=st.integers(0, 10_000), rep=st.floats(0.1, 3.0), pres=st.floats(-2, 2), freq=st.floats(-2, 2),
+       prompt=st.lists(st.integers(0, 3), min_size=1, max_size=8), out=st.lists(st.integers(0, 3), max_size=8))
+def test_penalties_follow_the_formulas(v, seed, rep, pres, freq, prompt, out):
+    x = rand_logits(1, v, seed)[0]
+    y = Sampler([]).adjust_logits(x[None], [seq(prompt, out, presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep)])[0]
+    want = x.clone()
+    for t in range(v):
+        if t in prompt or t in out: want[t] = want[t] / rep if want[t] > 0 else want[t] * rep
+        c = out.count(t)
+        want[t] -= freq * c + (pres if c else 0.0)
+    assert torch.allclose(y, want, atol=1e-5)
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    x = rand_logits(3, 100, 7)
+    ids = torch.randint(0, 100, (3, 20), generator=torch.Generator().manual_seed(1))
+    hf = RepetitionPenaltyLogitsProcessor(1.3)(ids, x.clone())
+    seqs = [seq(ids[i, :12].tolist(), ids[i, 12:].tolist(), repetition_penalty=1.3) for i in range(3)]
+    assert torch.allclose(Sampler([]).adjust_logits(x, seqs), hf)
+
+
+def test_seen_tokens_and_neutral_penalties_are_exact():
+    rows, toks, counts = seen_tokens([[2, 2], [], [0, 4]], [[3, 3, 3, 1], [], [4]], 5)
+    assert (rows.tolist(), toks.tolist(), counts.tolist()) == ([0, 0, 0, 2, 2], [1, 2, 3, 0, 4], [1., 0., 3., 0., 1.])
+    x = rand_logits(3, 5, 0)
+    assert torch.equal(apply_penalties(x, rows, toks, counts, torch.zeros(3), torch.zeros(3), torch.ones(3)), x)
+
+
+def test_penalties_shift_sampling():
+    "A token already generated many times loses to its rival under a frequency penalty (greedy)."
+    x = torch.tensor([[0.0, 5.0, 4.0]])
+    assert Sampler([])(x, [seq([0], [1, 1], temperature=0)]).token_ids == [1]
+    assert Sampler([])(x, [seq([0], [1, 1], temperature=0, frequency_penalty=1.0)]).token_ids == [2]
+
+
+# --- seeds ----------------------------------------------------------------------------------------
+
+def run_steps(target: Sequence, mates_for_step, steps=6, V=400, sampler_seed=0):
+    "Decode `steps` tokens for `target`, its logits a function of the step only, among batch mates given per step."
+    smp = Sampler([0], seed=sampler_seed)
+    for step in range(steps):
+        mates = mates_for_step(step)
+        pos = step % (len(mates) + 1)
+        logits = rand_logits(len(mates) + 1, V, 10_000 + step)
+        logits[pos] = rand_logits(1, V, step, scale=2.0)[0]
+        target.append_token(smp(logits, mates[:pos] + [target] + mates[pos:]).token_ids[pos])
+    return target.output_token_ids
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.7, top_p=0.9), dict(top_k=30, min_p=0.02, presence_penalty=0.5)])
+def test_seeded_row_same_alone_and_in_random_batches(params):
+    alone = run_steps(seq([5, 6], seed=1234, **params), lambda s: [])
+    g = torch.Generator().manual_seed(99)
+    kinds = [dict(), dict(temperature=0), dict(temperature=1.3, top_k=5), dict(seed=1234), dict(seed=7, top_p=0.5)]
+
+    def mates(step):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        return [seq([1, 2, 3], seq_id=100 + j, **kinds[int(torch.randint(0, len(kinds), (1,), generator=g))]) for j in range(n)]
+    crowd = run_steps(seq([5, 6], seed=1234, **params), mates, sampler_seed=77)
+    assert alone == crowd
+
+
+def test_seeded_row_survives_preemption_and_a_fresh_sampler():
+    "The noise depends on (seed, index, outputs so far) only: recomputing a step with a new Sampler gives the same token."
+    x = rand_logits(1, 1000, 4)
+    s = seq([1], [7, 8, 9], seed=5)
+    assert Sampler([0], seed=1)(x, [s]).token_ids == Sampler([0], seed=2)(x, [s]).token_ids
+
+
+def test_n_completions_of_one_seeded_request_differ():
+    a = run_steps(seq([5], seed=3, index=0), lambda s: [])
+    b = run_steps(seq([5], seed=3, index=1), lambda s: [])
+    assert a != b
+    assert a == run_steps(seq([5], seed=3, index=0), lambda s: [])
+
+
+def test_unseeded_rows_reproducible_from_the_engine_seed():
+    x = rand_logits(8, 300, 0)
+    seqs = [seq(seq_id=i) for i in range(8)]
+    assert Sampler([0], seed=11)(x, seqs).token_ids == Sampler([0], seed=11)(x, seqs).token_ids
+    smp = Sampler([0], seed=11)
+    assert smp(x, seqs).token_ids != smp(x, seqs).token_ids                      # the shared generator moves on
+
+
+def test_row_seed_spreads():
+    seeds = {row_seed(s, i, t) for s in range(20) for i in range(3) for t in range(20)}
+    assert len(seeds) == 20 * 3 * 20 and all(0 <= s < 2**63 for s in seeds)
+
+
+# --- min_tokens, eos, stop ids -------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_blocks_eos_and_stop_ids(temperature):
+    V, eos, stop = 50, 3, 7
+    x = torch.zeros(1, V); x[0, eos] = 30.0; x[0, stop] = 29.0                    # eos and the stop id dominate
+    smp = Sampler([eos])
+    s = seq([1], min_tokens=4, stop_token_ids=[stop], temperature=temperature)
+    for _ in range(4):
+        t = smp(x, [s]).token_ids[0]
+        assert t not in (eos, stop)
+        s.append_token(t)
+    assert smp(x, [s]).token_ids[0] in ((eos,) if temperature == 0 else (eos, stop))   # min_tokens reached: free to stop
+    assert smp(x, [seq([1], [2, 2, 2, 2], min_tokens=4, temperature=0)]).token_ids == [eos]
+
+
+def test_ignore_eos_leaves_eos_free_but_still_blocks_stop_ids():
+    x = torch.zeros(2, 20); x[:, 3] = 30.0; x[:, 7] = 29.0
+    smp = Sampler([3])
+    out = smp(x, [seq([1], min_tokens=2, ignore_eos=True, temperature=0),
+                  seq([1], min_tokens=2, ignore_eos=True, stop_token_ids=[3, 7], temperature=0)])
+    assert out.token_ids[0] == 3                                                  # eos is an ordinary token
+    assert out.token_ids[1] not in (3, 7)
+
+
+# --- logprobs ------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(n=st.integers(1, 6), v=st.integers(2, 120), k=st.integers(0, 20), seed=st.integers(0, 10_000),
+       temperature=st.sampled_from([0.0, 0.5, 1.0]), rep=st.sampled_from([1.0, 1.5]))
+def test_logprobs_are_raw_and_ranked(n, v, k, seed, temperature, rep):
+    "Logprobs come from log_softmax of the raw logits, whatever penalties and temperature did to the sampling."
+    x = rand_logits(n, v, seed)
+    seqs = [seq([0, 1], [1], seq_id=i, logprobs=(k if i % 2 == 0 else None), temperature=temperature,
+                repetition_penalty=rep, seed=seed + i) for i in range(n)]
+    out = Sampler([0])(x, seqs)
+    raw, kk = x.log_softmax(-1), min(k, v)
+    for i, (t, lp, top) in enumerate(zip(out.token_ids, out.logprobs, out.top_logprobs)):
+        assert math.isclose(lp, float(raw[i, t]), abs_tol=1e-4)
+        if i % 2: assert top is None; continue
+        assert t in top and math.isclose(top[t].logprob, lp, abs_tol=1e-4)     # the chosen token is always there
+        assert top[t].rank == int((raw[i] > raw[i, t]).sum()) + 1              # its rank among all tokens
+        best = raw[i].topk(kk)
+        in_top = set(best.indices.tolist())
+        assert set(top) == in_top | {t}
+        ranked = sorted((l.rank, l.logprob) for tok, l in top.items() if tok in in_top)
+        assert [r for r, _ in ranked] == list(range(1, kk + 1))                 # ranks 1..k
+        assert torch.allclose(torch.tensor([l for _, l in ranked]), best.values, atol=1e-4)  # sorted, raw values
+        assert all(l.decoded_token is None for l in top.values())
+
+
+def test_logprobs_chosen_token_outside_top_k():
+    x = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    lp, tops = token_logprobs(x, torch.tensor([4]), [2])
+    raw = x.log_softmax(-1)[0]
+    assert list(tops[0]) == [4, 0, 1]
+    assert [l.rank for l in tops[0].values()] == [5, 1, 2]
+    assert torch.allclose(torch.tensor([l.logprob for l in tops[0].values()]), raw[[4, 0, 1]])
+    assert math.isclose(lp[0], float(raw[4]), abs_tol=1e-6)
