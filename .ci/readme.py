@@ -16,6 +16,7 @@ def render() -> str:
     for c in cells:
         if c.cell_type == "code": c.source = "\n".join(l for l in c.source.splitlines() if not l.startswith("#|")).strip()
     nb.cells = cells
+    nb.metadata["language_info"] = {"name": "python"}   # so code cells get ```python fences
     body, _ = MarkdownExporter(exclude_input_prompt=True, exclude_output_prompt=True).from_notebook_node(nb)
     body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
     return "<!-- Generated from nbs/index.ipynb by `make readme`: edit the notebook, not this file. -->\n\n" + body

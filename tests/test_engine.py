@@ -31,7 +31,8 @@ def prompts(lens=PROMPT_LENS, seed=1, vocab=256):
 def hf_greedy(model, prompt, n_new=N_NEW):
     "transformers' greedy continuation of one prompt and the log-softmax of each step's logits."
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False, output_scores=True,
+        # an explicit mask: with only pad_token_id, generate would mask real 0 tokens in the prompt as padding
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=n_new, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
     toks = out.sequences[0, len(prompt):].tolist()
     return toks, [torch.log_softmax(s[0].float(), -1) for s in out.scores]
