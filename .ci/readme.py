@@ -15,7 +15,7 @@ def render() -> str:
     cells = [c for c in nb.cells if not (c.cell_type == "code" and _hidden(c.source))]
     for c in cells:
         if c.cell_type == "code": c.source = "\n".join(l for l in c.source.splitlines() if not l.startswith("#|")).strip()
-    nb.cells = cells
+    nb.cells = [c for c in cells if c.source.strip()]   # a cell of directives only leaves nothing to show
     nb.metadata["language_info"] = {"name": "python"}   # so code cells get ```python fences
     body, _ = MarkdownExporter(exclude_input_prompt=True, exclude_output_prompt=True).from_notebook_node(nb)
     body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
