@@ -44,6 +44,14 @@ def triton_write_kv(k: torch.Tensor,        # (T, Hkv, D) this step's keys
     _write_kv_kernel[(T,)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
                            HD=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D))
 
+def _check_attention_inputs(q, k_cache, v_cache):
+    "Shapes, layout and dtypes both attention kernels need, with errors that say what is wrong."
+    Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    _check_head_dim(D)
+    if Hq % Hkv: raise ValueError(f"num query heads {Hq} must be a multiple of num KV heads {Hkv}")
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), "q's last dim and the caches must be contiguous"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q dtype {q.dtype} differs from the caches' {k_cache.dtype}"
+
 # %% ../nbs/04_paged_attention_triton.ipynb #c25803b5
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
@@ -140,10 +148,7 @@ def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one q
     "Paged decode attention: each sequence's single query over its whole context, split-K when the batch is small."
     S, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    _check_head_dim(D)
-    if Hq % Hkv: raise ValueError(f"num query heads {Hq} must be a multiple of num KV heads {Hkv}")
-    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), "q's last dim and the caches must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q dtype {q.dtype} differs from the caches' {k_cache.dtype}"
+    _check_attention_inputs(q, k_cache, v_cache)
     out = torch.empty_like(q)
     if S == 0: return out
     G = Hq // Hkv
@@ -225,10 +230,7 @@ def triton_paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) 
     "Paged prefill attention: each sequence's new tokens (the last of its context) attend causally to the cache."
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    _check_head_dim(D)
-    if Hq % Hkv: raise ValueError(f"num query heads {Hq} must be a multiple of num KV heads {Hkv}")
-    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), "q's last dim and the caches must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q dtype {q.dtype} differs from the caches' {k_cache.dtype}"
+    _check_attention_inputs(q, k_cache, v_cache)
     out = torch.empty_like(q)
     S = seq_lens.shape[0]
     if T == 0 or S == 0: return out
