@@ -141,9 +141,23 @@ def __reserve(self: Scheduler, seq: Sequence, n: int, out: SchedulerOutput) -> b
 
 # %% ../nbs/02_scheduler.ipynb #1bf53508
 @_method
+def __schedule_decodes_at_once(self: Scheduler, out: SchedulerOutput, budget: int) -> int | None:
+    "Fast path: one `append_decode_slots` call reserves a slot for every running decode; returns how many, or None (nothing done) when they do not all fit."
+    room = min(budget, self.config.max_num_seqs - len(out.scheduled))
+    seqs = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+    if len(seqs) > room: return None
+    try: slots, copies = self.block_manager.append_decode_slots(seqs)
+    except NoFreeBlocksError: return None           # the slow path preempts as needed
+    out.scheduled += [ScheduledSeq(s, 1, [sl]) for s, sl in zip(seqs, slots)]
+    out.block_copies += copies
+    self._step_reqs.update(s.request_id for s in seqs)
+    return len(seqs)
+
+@_method
 def __schedule_running(self: Scheduler, out: SchedulerOutput, budget: int, decodes: bool) -> int:
     "Schedule running sequences that decode (`decodes`) or continue a prefill; returns the token budget left."
     chunked, max_seqs = self.config.enable_chunked_prefill, self.config.max_num_seqs
+    if decodes and (n := self._schedule_decodes_at_once(out, budget)) is not None: return budget - n
     for seq in list(self.running):
         if budget == 0 or len(out.scheduled) >= max_seqs: break
         if seq.status is not _RUNNING: continue       # preempted earlier in this pass
