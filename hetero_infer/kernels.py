@@ -60,6 +60,20 @@ def _tiles(D: int, elem_size: int) -> tuple[int, int]:
     return (64, 3) if D * elem_size <= 256 else (32, 2)
 
 @triton.jit
+def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, IS_FP32: tl.constexpr):
+    "One key tile of online softmax, shared by both kernels: scores q @ k^T (masked to `visible`), then p @ v folded into the running (max, sum, acc)."
+    if IS_FP32: qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else: qk = tl.dot(q, tl.trans(k))                      # fp16/bf16 products are exact in the fp32 accumulator
+    qk = tl.where(visible, qk.to(tl.float32) * scale_log2, float("-inf"))   # (rows, BLOCK_N), log2 units
+    m_new = tl.maximum(m_i, tl.max(qk, 1))                 # every tile has a visible key: m_new is finite
+    alpha = tl.exp2(m_i - m_new)                           # rescales what was summed under the old max
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IS_FP32: pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else: pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+@triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
                    scale_log2, num_splits, stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
                    stride_kb, stride_kt, stride_kh,
@@ -84,17 +98,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, pm_ptr, p
         tok = blk * stride_kb + (pos % BLOCK_SIZE) * stride_kt + h * stride_kh               # (BLOCK_N,) offsets
         k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
         v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
-        if IS_FP32: qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else: qk = tl.dot(q, tl.trans(k))                  # fp16/bf16 products are exact in the fp32 accumulator
-        qk = tl.where(n_mask[None, :], qk.to(tl.float32) * scale_log2, float("-inf"))  # (BLOCK_G, BLOCK_N)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)                       # rescales what was summed under the old max
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_FP32: pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else: pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, IS_FP32)  # (BLOCK_G,), (BLOCK_G,), (BLOCK_G, D)
     hq = h * G + offs_g                                    # (BLOCK_G,) query heads
     if SPLIT:   # this piece's partial softmax: max, sum and unnormalised acc, in fp32
         row = (s * (tl.num_programs(1) * G) + hq) * num_splits + split
@@ -202,18 +206,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
             tok = blk * stride_kb + (pos % BLOCK_SIZE) * stride_kt + h * stride_kh
             k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
             v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
-            if IS_FP32: qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else: qk = tl.dot(q, tl.trans(k))
-            causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-            qk = tl.where(causal, qk.to(tl.float32) * scale_log2, float("-inf"))   # (BLOCK_M, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(qk, 1))             # key 0 is always visible: m_new is finite
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IS_FP32: pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else: pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])                 # (BLOCK_M, BLOCK_N); key 0 is always visible
+            m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, IS_FP32)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
