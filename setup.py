@@ -29,9 +29,11 @@ setuptools.setup(
                  'Natural Language :: ' + cfg['language'].title()]
                 + ['Programming Language :: Python :: ' + o for o in py_versions[py_versions.index(min_python):]],
     url=cfg['git_url'],
-    packages=setuptools.find_packages(include=['hetero_infer', 'hetero_infer.*']),
+    # demo_model/ holds the shipped checkpoint (data, no Python): a package of its own so setuptools ships its files
+    # without warning that an importable-looking directory is missing from `packages`.
+    packages=setuptools.find_packages(include=['hetero_infer', 'hetero_infer.*']) + ['hetero_infer.demo_model'],
     include_package_data=True,
-    package_data={'hetero_infer': ['demo_model/*']},
+    package_data={'hetero_infer.demo_model': ['*']},
     install_requires=requirements,
     extras_require={'dev': dev_requirements},
     dependency_links=cfg.get('dep_links', '').split(),

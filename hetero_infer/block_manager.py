@@ -61,6 +61,9 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()      # ref 0 but cached, least recently used first
         self.cached: dict[bytes, int] = {}                          # hash -> block id
         self.seqs: dict[int, Sequence] = {}                         # seq_id -> sequence holding blocks
+        self.cow_pending: dict[int, list[tuple[int, int]]] = {}     # seq_id -> its (src, dst) copies not yet committed
+        self.pins: dict[int, int] = {}                              # block -> uncommitted copies reading it (kept from reuse)
+        self.lent: dict[int, int] = {}                              # seq_id -> leading blocks of its table lent by a sibling, not yet joined
         self.stats = BlockStats()
 
     def num_free_blocks(self) -> int: return len(self.free_ids) + len(self.evictable)
@@ -80,12 +83,23 @@ class BlockManager:
         return b
 
     def _release(self, b: int):
-        "Drop one reference to block `b`; at zero it becomes evictable if cached, else free."
+        "Drop one reference to block `b`; at zero (and unpinned) it becomes evictable if cached, else free."
         blk = self.blocks[b]
         blk.ref_count -= 1
-        if blk.ref_count: return
-        if blk.hash is None: self.free_ids.append(b)
+        if not blk.ref_count and b not in self.pins: self._to_pool(b)
+
+    def _to_pool(self, b: int):
+        "Block `b`, held by no one: evictable if cached, else free."
+        if self.blocks[b].hash is None: self.free_ids.append(b)
         else: self.evictable[b] = None
+
+    def _unpin(self, seq_id: int):
+        "Forget `seq_id`'s uncommitted copies; a source block no one holds any more goes back to the pool."
+        for src, _ in self.cow_pending.pop(seq_id, ()):
+            self.pins[src] -= 1
+            if self.pins[src]: continue
+            del self.pins[src]
+            if not self.blocks[src].ref_count: self._to_pool(src)
 
     def _hashes(self, seq: Sequence, n_full: int) -> list[bytes]:
         "`seq.block_hashes`, extended to its first `n_full` full blocks (the chain depends on the tokens alone)."
@@ -147,7 +161,7 @@ class BlockManager:
         return self._blocks_to_take(seq, n) <= len(self.free_ids) + len(self.evictable)
 
     def append_slots(self, seq: Sequence, n: int = 1) -> tuple[list[int], list[tuple[int, int]]]:
-        "Cache slots of positions [computed, computed + n) and the (src, dst) block copies to do first."
+        "Cache slots of positions [computed, computed + n) and the (src, dst) block copies to do first; publishes nothing."
         if seq.seq_id not in self.seqs: raise KeyError(f"sequence {seq.seq_id} holds no blocks; allocate it first")
         need = self._blocks_to_take(seq, n)
         copies, bs, c, t = [], self.block_size, seq.num_computed_tokens, seq.block_table
@@ -155,24 +169,25 @@ class BlockManager:
             if need > self.num_free_blocks():
                 raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {need} blocks to append {n} tokens, {self.num_free_blocks()} free")
             last = (c + n - 1) // bs
-            for i in range(c // bs, min(last + 1, len(t))):   # copy-on-write
+            for i in range(c // bs, min(last + 1, len(t))):   # copy-on-write; the source stays pinned until commit
                 if self.blocks[t[i]].ref_count > 1:
-                    dst = self._take(); copies.append((t[i], dst)); self._release(t[i]); t[i] = dst
+                    src, dst = t[i], self._take(); copies.append((src, dst))
+                    self.pins[src] = self.pins.get(src, 0) + 1; self._release(src); t[i] = dst
             while len(t) <= last: t.append(self._take())
             self.stats.cow_copies += len(copies)
-        if self.enable_prefix_caching and (c + n) // bs > c // bs: self._publish(seq, c // bs, (c + n) // bs)
+            if copies: self.cow_pending.setdefault(seq.seq_id, []).extend(copies)
+        if seq.seq_id in self.cow_pending: copies = list(self.cow_pending[seq.seq_id])   # a retried step copies again
         if n == 1: return [t[c // bs] * bs + c % bs], copies
         return [t[p // bs] * bs + p % bs for p in range(c, c + n)], copies
 
     def append_decode_slots(self, seqs: list[Sequence]) -> tuple[list[int], list[tuple[int, int]]]:
         "`append_slots(seq, 1)` for every sequence in one call, all or none: the slots in `seqs` order, and the copies."
-        bs, blocks, slots, full, slow = self.block_size, self.blocks, [], [], []
+        bs, blocks, slots, slow, pending = self.block_size, self.blocks, [], [], self.cow_pending
         for j, s in enumerate(seqs):                # fast path: the next slot lies in a block this sequence owns alone
             c, t = s.num_computed_tokens, s.block_table
             i = c // bs
-            if i < len(t) and c < len(s.token_ids) and blocks[t[i]].ref_count == 1:
+            if i < len(t) and c < len(s.token_ids) and blocks[t[i]].ref_count == 1 and not (pending and s.seq_id in pending):
                 slots.append(t[i] * bs + c % bs)
-                if (c + 1) % bs == 0: full.append(s)
             else: slots.append(-1); slow.append(j)
         if slow:                                    # a new block or a copy-on-write: check the whole batch first
             for j in slow:
@@ -184,12 +199,28 @@ class BlockManager:
             s = seqs[j]; c, t = s.num_computed_tokens, s.block_table
             if c // bs == len(t) and bs > 1: t.append(self._take()); slots[j] = t[-1] * bs   # first slot of a new block
             else: sl, cp = self.append_slots(s, 1); slots[j] = sl[0]; copies += cp
-        if self.enable_prefix_caching:
-            for s in full: i = s.num_computed_tokens // bs; self._publish(s, i, i + 1)
         return slots, copies
 
+    def commit(self, seq: Sequence, n: int):
+        "The step that computed positions [computed, computed + n) of `seq` completed: advance it, publish the blocks it filled."
+        c, bs = seq.num_computed_tokens, self.block_size
+        if seq.seq_id not in self.seqs: raise KeyError(f"sequence {seq.seq_id} holds no blocks (unknown or already freed)")
+        if n < 1 or c + n > len(seq.token_ids) or (c + n - 1) // bs >= len(seq.block_table):
+            raise ValueError(f"n must be in [1, {len(seq.token_ids) - c}] and have slots (append_slots) for sequence {seq.seq_id}, got {n}")
+        seq.num_computed_tokens = c + n
+        if self.cow_pending: self._unpin(seq.seq_id)              # its copies are done: their sources may be reused
+        if self.enable_prefix_caching and (c + n) // bs > c // bs: self._publish(seq, c // bs, (c + n) // bs)
+
+    def commit_decodes(self, seqs: list[Sequence]):
+        "`commit(seq, 1)` for every sequence of a decode batch in one call (no argument checks: the scheduler's fast path)."
+        bs, pending, caching = self.block_size, self.cow_pending, self.enable_prefix_caching
+        for s in seqs:
+            c = s.num_computed_tokens = s.num_computed_tokens + 1
+            if pending and s.seq_id in pending: self._unpin(s.seq_id)
+            if caching and c % bs == 0: self._publish(s, c // bs - 1, c // bs)
+
     def _publish(self, seq: Sequence, first: int, end: int):
-        "Enter full blocks `first..end-1` of `seq` (just completed) in the prefix cache; the first writer of a hash wins."
+        "Enter full blocks `first..end-1` of `seq` (just computed) in the prefix cache; the first to commit a hash wins."
         hashes = self._hashes(seq, end)
         for i in range(first, end):
             blk = self.blocks[seq.block_table[i]]
@@ -200,14 +231,38 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence):
         "`child` shares all of `parent`'s blocks (ref counts + 1); whoever writes a shared block copies it first."
         if parent.seq_id not in self.seqs: raise KeyError(f"sequence {parent.seq_id} holds no blocks; cannot fork it")
+        if parent.seq_id in self.cow_pending: raise ValueError(f"sequence {parent.seq_id} has copies not yet committed; commit its step before forking it")
         if child.block_table or child.seq_id in self.seqs: raise ValueError(f"sequence {child.seq_id} already holds blocks")
         for b in parent.block_table: self.blocks[b].ref_count += 1
         child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
         self.seqs[child.seq_id] = child
 
+    def allocate_sibling(self, seq: Sequence, # a sequence with an empty block table
+                         leader: Sequence, # an allocated sequence with the same first `k` blocks of tokens
+                         k: int): # leading blocks to share, once the leader has computed them
+        "Give `seq` fresh blocks after its first `k`, which are `leader`'s and become `seq`'s at `join_sibling` (nothing computed yet)."
+        if seq.block_table or seq.seq_id in self.seqs: raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        bs = self.block_size
+        if not (0 <= k <= min(len(leader.block_table), (len(seq.token_ids) - 1) // bs)) or seq.token_ids[:k * bs] != leader.token_ids[:k * bs]:
+            raise ValueError(f"k must count leading full blocks sequences {seq.seq_id} and {leader.seq_id} share, got {k}")
+        n_new = -(-len(seq.token_ids) // bs) - k
+        if n_new > self.num_free_blocks(): raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {n_new} blocks, {self.num_free_blocks()} free")
+        seq.block_table = leader.block_table[:k] + [self._take() for _ in range(n_new)]
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        self.seqs[seq.seq_id], self.lent[seq.seq_id] = seq, k
+        self.stats.allocations += 1
+
+    def join_sibling(self, seq: Sequence):
+        "The leader has computed the lent blocks: `seq` takes references to them and continues after them."
+        k = self.lent.pop(seq.seq_id)
+        for b in seq.block_table[:k]: self.blocks[b].ref_count += 1
+        seq.num_computed_tokens = k * self.block_size
+
     def free(self, seq: Sequence):
         "Release `seq`'s blocks, last block first so an LRU eviction takes prefix tails before heads."
         if self.seqs.pop(seq.seq_id, None) is None:
             raise KeyError(f"sequence {seq.seq_id} holds no blocks (unknown or already freed)")
-        for b in reversed(seq.block_table): self._release(b)
+        if self.cow_pending: self._unpin(seq.seq_id)
+        k = self.lent.pop(seq.seq_id, 0) if self.lent else 0     # blocks lent by a sibling are not its to release
+        for b in reversed(seq.block_table[k:]): self._release(b)
         seq.block_table = []

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'DTYPES', 'DEVICES', 'ATTENTION_BACKENDS', 'SEED_ALIASES', 'TOKENIZER_KINDS', 'SamplingParams',
-           'ServingConfig', 'EngineConfig', 'from_json', 'to_json', 'SequenceStatus', 'Sequence', 'Logprob',
-           'CompletionOutput', 'RequestMetrics', 'RequestOutput']
+__all__ = ['MAX_LOGPROBS', 'DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'HPI_KEYS', 'TOKENIZER_KINDS',
+           'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig', 'is_hpi_format', 'from_json',
+           'to_json', 'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput', 'RequestMetrics',
+           'RequestOutput']
 
 # %% ../nbs/00_core.ipynb #2c4dbc4b
 def _check(ok: bool, name: str, msg: str):
@@ -79,8 +80,14 @@ class SamplingParams:
 
 # %% ../nbs/00_core.ipynb #02a46072
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's other spellings
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+def _dtype_name(d):
+    "`d` as one of DTYPES where it is a known spelling: 'half', 'float', or a torch dtype (no torch import needed)."
+    if not isinstance(d, str) and str(d).startswith("torch."): d = str(d)[len("torch."):]
+    return DTYPE_ALIASES.get(d, d) if isinstance(d, str) else d
 
 @dataclass
 class ServingConfig:
@@ -111,20 +118,24 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9 # share of GPU memory the engine may use (weights + cache)
     memory_threshold: float = 0.95      # no new prefill once KV usage would pass this share of the blocks
     max_num_seqs: int = 256             # most sequences in one step
+    max_admitted_seqs: int | None = None # most sequences admitted at all (running + waiting, each of n counts); None: no bound
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
     max_model_len: int | None = None    # longest prompt + output; None takes the model's limit
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     enable_chunked_prefill: bool = True # split long prompts across steps, beside decodes
     attention_backend: str = "auto"     # auto: triton on CUDA, torch on CPU
     seed: int = 0                       # seed of the engine's default generator
+    max_retry_attempts: int = 2         # retries of a request whose step raised, before it ends with finish_reason "error"
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self):
         if isinstance(self.serving, dict): self.serving = _build(ServingConfig, self.serving, "serving.")
         _check(self.model is None or isinstance(self.model, (str, Path)), "model", f"must be a path or None, got {self.model!r}")
         if isinstance(self.model, Path): self.model = str(self.model)
-        _check(self.tokenizer is None or isinstance(self.tokenizer, str), "tokenizer", f"must be a path or None, got {self.tokenizer!r}")
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.tokenizer is None or isinstance(self.tokenizer, (str, Path)), "tokenizer", f"must be a path or None, got {self.tokenizer!r}")
+        if isinstance(self.tokenizer, Path): self.tokenizer = str(self.tokenizer)
+        self.dtype = _dtype_name(self.dtype)
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES} (or {', '.join(DTYPE_ALIASES)}, or a torch dtype), got {self.dtype!r}")
         _check(self.device in DEVICES or (isinstance(self.device, str) and self.device.startswith("cuda:")), "device", f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0 and self.block_size <= 256,
@@ -133,6 +144,8 @@ class EngineConfig:
         _check(_is_num(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check(_is_num(self.memory_threshold) and 0 < self.memory_threshold <= 1, "memory_threshold", f"must be in (0, 1], got {self.memory_threshold!r}")
         _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", f"must be an integer >= 1, got {self.max_num_seqs!r}")
+        _check(self.max_admitted_seqs is None or (_is_int(self.max_admitted_seqs) and self.max_admitted_seqs >= 1), "max_admitted_seqs", f"must be an integer >= 1 or None, got {self.max_admitted_seqs!r}")
+        _check(_is_int(self.max_retry_attempts) and self.max_retry_attempts >= 0, "max_retry_attempts", f"must be an integer >= 0, got {self.max_retry_attempts!r}")
         _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be an integer >= 1, got {self.max_num_batched_tokens!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1), "max_model_len", f"must be an integer >= 1 or None, got {self.max_model_len!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
@@ -150,36 +163,68 @@ def _build(cls, d: dict, prefix: str = ""):
     if unknown: raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; known: {', '.join(sorted(known))}")
     return cls(**d)
 
-# %% ../nbs/00_core.ipynb #758eebf5
-SEED_ALIASES = {"max_num_blocks": "num_blocks", "max_batch_size": "max_num_seqs", "max_total_tokens": "max_num_batched_tokens"}
-TOKENIZER_KINDS = ("hf", "demo")
+# %% ../nbs/00_core.ipynb #61bbf52a
+HPI_KEYS = {"max_num_blocks": "num_blocks", "max_batch_size": "max_num_seqs", "max_total_tokens": "max_num_batched_tokens",
+            "max_num_seqs": "max_admitted_seqs"}   # hetero-paged-infer's config key -> ours
+TOKENIZER_KINDS = ("simple", "huggingface")        # both are Hugging Face tokenizers here
+SERVING_BACKENDS = ("local_engine",)               # "command_bridge" is refused: see _hpi_serving
 
+def is_hpi_format(d: dict) -> bool:
+    "Whether config dict `d` is in hetero-paged-infer's format: it has a key only that format has."
+    serving = d.get("serving")
+    return (any(k in d for k in ("max_batch_size", "max_total_tokens", "max_num_blocks")) or isinstance(d.get("tokenizer"), dict)
+            or (isinstance(serving, dict) and "backend" in serving))
+
+# %% ../nbs/00_core.ipynb #b0f4b0de
+def _hpi_tokenizer(tok: dict) -> str | None:
+    "Our `tokenizer` field from hetero-paged-infer's `{kind, path}` object."
+    unknown = sorted(set(tok) - {"kind", "path"})
+    if unknown: raise ValueError(f"unknown config key(s) {', '.join('tokenizer.' + k for k in unknown)}; known: kind, path")
+    kind, path = tok.get("kind", "huggingface"), tok.get("path")
+    _check(kind in TOKENIZER_KINDS, "tokenizer.kind", f"must be one of {TOKENIZER_KINDS} (both load a Hugging Face tokenizer), got {kind!r}")
+    _check(path is None or (isinstance(path, str) and path), "tokenizer.path", f"must be a directory path or null (the model's own tokenizer), got {path!r}")
+    return path
+
+def _hpi_serving(serving: dict) -> dict:
+    "`serving` without its `backend` object, after checking that the backend is this engine."
+    serving = dict(serving)
+    be = serving.pop("backend", None)
+    if be is None: return serving
+    if not isinstance(be, dict): raise ValueError(f"serving.backend must be an object, got {be!r}")
+    unknown = sorted(set(be) - {"kind", "command"})
+    if unknown: raise ValueError(f"unknown config key(s) {', '.join('serving.backend.' + k for k in unknown)}; known: kind, command")
+    kind = be.get("kind", "local_engine")
+    if kind == "command_bridge":
+        raise ValueError("serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine "
+                         "runs the model in-process and batches requests itself; use 'local_engine'")
+    _check(kind in SERVING_BACKENDS, "serving.backend.kind", f"must be 'local_engine' (the model runs in this process), got {kind!r}")
+    _check(be.get("command") is None, "serving.backend.command", f"must be null: only 'command_bridge' uses a command, got {be.get('command')!r}")
+    return serving
+
+# %% ../nbs/00_core.ipynb #51f85c7d
 def _from_dict(cls, d: dict) -> EngineConfig:
-    "Normalize seed-style keys in `d` to `EngineConfig` names and build it."
+    "Build an `EngineConfig` from a config dict in our format or hetero-paged-infer's."
     if not isinstance(d, dict): raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
-    d = dict(d)
-    for old, new in SEED_ALIASES.items():
-        if old not in d: continue
-        v = d.pop(old)
-        if new in d and d[new] != v: raise ValueError(f"{old} ({v!r}) and {new} ({d[new]!r}) disagree; give one of them")
-        d[new] = v
-    tok = d.get("tokenizer")
-    if isinstance(tok, dict):
-        unknown = sorted(set(tok) - {"kind", "path"})
-        if unknown: raise ValueError(f"unknown config key(s) {', '.join('tokenizer.' + k for k in unknown)}; known: kind, path")
-        kind = tok.get("kind", "hf")
-        _check(kind in TOKENIZER_KINDS, "tokenizer.kind", f"must be one of {TOKENIZER_KINDS}, got {kind!r}")
-        _check(kind == "demo" or isinstance(tok.get("path"), str), "tokenizer.path", "must be a directory path when tokenizer.kind is 'hf'")
-        d["tokenizer"] = None if kind == "demo" else tok["path"]
+    if not is_hpi_format(d): return _build(cls, d)
+    src, d = d, {k: v for k, v in d.items() if k not in HPI_KEYS}
+    for old, new in HPI_KEYS.items():
+        if old not in src: continue
+        if new in src and new not in HPI_KEYS and src[new] != src[old]: raise ValueError(f"{old} ({src[old]!r}) and {new} ({src[new]!r}) disagree; give one of them")
+        d[new] = src[old]
+    if isinstance(d.get("tokenizer"), dict): d["tokenizer"] = _hpi_tokenizer(d["tokenizer"])
+    if isinstance(d.get("serving"), dict): d["serving"] = _hpi_serving(d["serving"])
     return _build(cls, d)
 
 def _to_dict(self: EngineConfig) -> dict: return asdict(self)
 
 @classmethod
 def from_json(cls, src: str | Path | dict) -> EngineConfig:
-    "Load a config from a JSON file path, a JSON string, or a dict; seed-style keys are accepted."
-    if isinstance(src, dict): return _from_dict(cls, src)
-    text = Path(src).read_text() if not str(src).lstrip().startswith("{") else str(src)
+    "Load a config from a JSON file path, a JSON string, or a dict, in our format or hetero-paged-infer's."
+    if not isinstance(src, (str, Path)): return _from_dict(cls, src)
+    if isinstance(src, str) and src.lstrip().startswith("{"): text = src
+    else:
+        try: text = Path(src).read_text()
+        except OSError as e: raise ValueError(f"config file {str(src)!r} cannot be read: {e.strerror or e}") from None
     try: d = json.loads(text)
     except json.JSONDecodeError as e: raise ValueError(f"config is not valid JSON: {e}") from None
     return _from_dict(cls, d)
@@ -192,6 +237,10 @@ def to_json(self: EngineConfig, path: str | Path | None = None) -> str:
 
 EngineConfig.from_json, EngineConfig.to_json, EngineConfig.to_dict = from_json, to_json, _to_dict
 
+# %% ../nbs/00_core.ipynb #9e69ea3e
+class QueueFullError(RuntimeError):
+    "Admitting the request would pass `EngineConfig.max_admitted_seqs`; nothing was changed, retry later."
+
 # %% ../nbs/00_core.ipynb #39344552
 class SequenceStatus(enum.Enum):
     "Where a sequence is in its life."
@@ -200,9 +249,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"            # hit eos, a stop token id or a stop string
     FINISHED_LENGTH = "length"           # hit max_tokens or max_model_len
     FINISHED_ABORTED = "abort"           # aborted by the client or the engine
+    FINISHED_ERROR = "error"             # its step raised more than max_retry_attempts times
 
     @property
-    def finished(self) -> bool: return self.value in ("stop", "length", "abort")
+    def finished(self) -> bool: return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
 
     @property
     def finish_reason(self) -> str | None: return self.value if self.finished else None
@@ -275,7 +325,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None    # stop | length | abort, None while running
+    finish_reason: str | None = None    # stop | length | abort | error, None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
 
     @property
@@ -303,7 +353,9 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    error: str | None = None            # one line saying why, when the request failed (finish_reason "error")
 
     def __repr__(self) -> str:
         outs = "; ".join(f"[{o.index}] {o.text!r} ({len(o.token_ids)} tok, {o.finish_reason})" for o in self.outputs)
-        return f"RequestOutput({self.request_id!r}, prompt={self.prompt!r}, finished={self.finished}: {outs})"
+        err = f", error={self.error!r}" if self.error else ""
+        return f"RequestOutput({self.request_id!r}, prompt={self.prompt!r}, finished={self.finished}{err}: {outs})"

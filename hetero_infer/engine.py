@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_engine.ipynb #989f8c98
 from __future__ import annotations
-import dataclasses, itertools, time
+import dataclasses, itertools, os, time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +17,14 @@ from .core import (EngineConfig, SamplingParams, Sequence, SequenceStatus, Compl
                                RequestOutput, RequestMetrics, Logprob)
 from .block_manager import BlockManager
 from .scheduler import Scheduler, SchedulerOutput
-from .model import ModelRunner
+from .model import ModelRunner, dtype_name
 from .sampler import Sampler
 from .demo import DEMO_MODEL_DIR
 
 # %% auto #0
-__all__ = ['IncrementalDetokenizer', 'load_tokenizer', 'find_stop_string', 'LLMEngine', 'add_request', 'step', 'abort_request',
-           'has_unfinished_requests', 'get_num_unfinished_requests', 'stats', 'LLM', 'offline_benchmark']
+__all__ = ['TOKENIZER_FILES', 'PROMPT_KEYS', 'IncrementalDetokenizer', 'load_tokenizer', 'find_stop_string', 'LLMEngine',
+           'add_request', 'step', 'abort_request', 'has_unfinished_requests', 'get_num_unfinished_requests', 'stats',
+           'EngineStepError', 'as_prompt_list', 'engine_kwargs', 'LLM', 'offline_benchmark']
 
 # %% ../nbs/07_engine.ipynb #0cd57833
 class IncrementalDetokenizer:
@@ -49,11 +50,16 @@ class IncrementalDetokenizer:
         return delta
 
 # %% ../nbs/07_engine.ipynb #a36760bc
-def load_tokenizer(path: str | Path | None):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+def load_tokenizer(path: str | Path | None,
+                   required: bool = False):  # True for a tokenizer the user named: a directory without one is an error
     "The HF tokenizer in `path`, or None when the directory has none (prompts must then be token ids)."
     from transformers import AutoTokenizer
     p = Path(path) if path is not None else None
-    if p is None or not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")): return None
+    if p is None or not any((p / f).exists() for f in TOKENIZER_FILES):
+        if required: raise ValueError(f"tokenizer: {str(path)!r} is not a directory holding a tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+        return None
     return AutoTokenizer.from_pretrained(str(p))
 
 # %% ../nbs/07_engine.ipynb #0a87681e
@@ -81,6 +87,8 @@ class _Request:
     cum_logprob: dict = field(default_factory=dict)  # seq_id -> float
     stop_reason: dict = field(default_factory=dict)  # seq_id -> stop token id or string
     finished: bool = False
+    failures: int = 0                                # steps with this request in them that raised
+    error: str | None = None                         # set when it failed for good: finish_reason "error"
 
 # %% ../nbs/07_engine.ipynb #08b37856
 class LLMEngine:
@@ -88,7 +96,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         config = dataclasses.replace(config or EngineConfig(), **kwargs)
         if config.model is None: config = dataclasses.replace(config, model=str(DEMO_MODEL_DIR))
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, required=config.tokenizer is not None)
         self.runner = ModelRunner(config)
         self.config = config = dataclasses.replace(config, max_model_len=self.runner.max_model_len, num_blocks=self.runner.num_blocks)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -99,28 +107,36 @@ class LLMEngine:
         self._finished_aborts: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self.counters = Counter()
+        self.last_error: BaseException | None = None   # the latest exception a step raised (and recovered from)
 
     def _eos_ids(self) -> set[int]:
-        "End-of-sequence ids from generation_config.json / config.json, else the tokenizer's."
+        "End-of-sequence ids: the union of generation_config.json's, config.json's and the tokenizer's (as vLLM stops)."
         import json
         ids = []
         for name in ("generation_config.json", "config.json"):
             p = Path(self.config.model) / name
-            if p.exists():
-                v = json.loads(p.read_text()).get("eos_token_id")
-                if v is not None: ids += v if isinstance(v, list) else [v]; break
-        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None: ids = [self.tokenizer.eos_token_id]
+            v = json.loads(p.read_text()).get("eos_token_id") if p.exists() else None
+            if v is not None: ids += v if isinstance(v, list) else [v]
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None: ids.append(self.tokenizer.eos_token_id)
         return set(int(i) for i in ids)
 
 # %% ../nbs/07_engine.ipynb #a897e336
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
 def _tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
+    "Text and token ids of one prompt: a string, token ids, {'prompt': text} or {'prompt_token_ids': ids} (vLLM's forms)."
+    if isinstance(prompt, dict):
+        extra = sorted(set(prompt) - set(PROMPT_KEYS))
+        if extra or not prompt: raise ValueError(f"prompt dict must have 'prompt' or 'prompt_token_ids' (and nothing else), got keys {sorted(prompt)}")
+        if "prompt_token_ids" not in prompt: return _tokenize(self, prompt["prompt"])
+        text, ids = _tokenize(self, list(prompt["prompt_token_ids"]) if isinstance(prompt["prompt_token_ids"], (list, tuple)) else prompt["prompt_token_ids"])
+        return prompt.get("prompt"), ids
     if isinstance(prompt, str):
         if self.tokenizer is None: raise ValueError("prompt: this model directory has no tokenizer; pass token ids instead of text")
         return prompt, self.tokenizer.encode(prompt)
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt: prompt = prompt["prompt_token_ids"]
     ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
     if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict with 'prompt'/'prompt_token_ids', got {type(prompt).__name__}")
     return None, ids
 
 def add_request(self: LLMEngine, request_id: str, prompt, params: SamplingParams | None = None,
@@ -153,19 +169,23 @@ LLMEngine.add_request, LLMEngine._track = add_request, _track
 
 # %% ../nbs/07_engine.ipynb #a68c2fda
 def step(self: LLMEngine) -> list[RequestOutput]:
-    "Run one engine step; return the outputs of the requests it advanced (and of those aborted since the last step)."
+    "Run one engine step; return the outputs of the requests it advanced (and of those aborted or failed since the last step)."
     outputs, self._finished_aborts = self._finished_aborts, []
     sched = self.scheduler.schedule()
     if not sched.scheduled: return outputs
     sampling = [it.seq for it in sched.scheduled if it.seq.num_computed_tokens + it.num_tokens == len(it.seq)]
-    logits = self.runner.execute(sched)                     # (len(sampling), vocab)
-    self.scheduler.update(sched)
+    try:
+        logits = self.runner.execute(sched)                 # (len(sampling), vocab)
+        rows, seqs = self._plan_forks(sampling)
+        out = self.sampler(logits[rows] if rows != list(range(len(rows))) else logits, seqs)
+    except Exception as e:                                  # nothing has advanced: retry the step's requests, or fail them
+        return outputs + self._step_failed(sched, e)
+    self.scheduler.update(sched)                            # the KV is written: advance, and let its full blocks be cached
+    seqs = self._commit_forks(seqs)
     now = time.monotonic()
     for it in sched.scheduled:
         m = self.requests[it.seq.request_id].metrics
         if m.first_scheduled_time is None: m.first_scheduled_time = now
-    rows, seqs = self._fork_for_n(sampling)
-    out = self.sampler(logits[rows] if rows != list(range(len(rows))) else logits, seqs)
     touched = {}
     for i, seq in enumerate(seqs):
         req = self.requests[seq.request_id]
@@ -175,21 +195,48 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     self.counters["batched_tokens"] += sched.num_batched_tokens
     return outputs + [self._output(r) for r in touched.values()]
 
-def _fork_for_n(self: LLMEngine, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-    "Rows of the logits to sample and the sequences they are for, forking n > 1 requests at their first token."
+def _plan_forks(self: LLMEngine, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+    "Rows of the logits to sample and the sequences they are for, with n - 1 new children of n > 1 requests at their first token."
     rows, seqs = [], []
     for i, seq in enumerate(sampling):
         rows.append(i); seqs.append(seq)
         req = self.requests[seq.request_id]
         if req.params.n > 1 and seq.num_output_tokens == 0 and len(req.seqs) == 1:
-            for k in range(1, req.params.n):
-                child = seq.fork(next(self._seq_ids), index=k)
-                self.scheduler.fork(seq, child)
-                req.seqs.append(child); self._track(req, child)
-                rows.append(i); seqs.append(child)
+            for k in range(1, req.params.n): rows.append(i); seqs.append(seq.fork(next(self._seq_ids), index=k))
     return rows, seqs
 
-LLMEngine.step, LLMEngine._fork_for_n = step, _fork_for_n
+def _commit_forks(self: LLMEngine, seqs: list[Sequence]) -> list[Sequence]:
+    "After a successful step: fork the planned children for real (from the advanced parent) and hand them to the scheduler."
+    done, parents = [], {}
+    for seq in seqs:
+        req = self.requests[seq.request_id]
+        if seq.index == 0 or seq in req.seqs: parents[seq.request_id] = seq; done.append(seq); continue
+        parent = parents[seq.request_id]
+        child = parent.fork(seq.seq_id, index=seq.index)      # same id as the one sampled for
+        self.scheduler.fork(parent, child)
+        req.seqs.append(child); self._track(req, child); done.append(child)
+    return done
+
+def _step_failed(self: LLMEngine, sched: SchedulerOutput, err: Exception) -> list[RequestOutput]:
+    "A step raised before anything advanced: its requests run again next step, or, past `max_retry_attempts`, end with an error."
+    self.last_error = err
+    self.counters["failed_steps"] += 1
+    limit, msg = self.config.max_retry_attempts, (f"{type(err).__name__}: {err}".splitlines() or [""])[0]
+    outs = []
+    for rid in dict.fromkeys(it.seq.request_id for it in sched.scheduled):
+        req = self.requests[rid]
+        req.failures += 1
+        if req.failures <= limit: self.counters["retries"] += 1; continue
+        req.error = f"the engine step failed {req.failures} times (max_retry_attempts={limit}); last error: {msg}"
+        for seq in self.scheduler.abort(rid): seq.status = SequenceStatus.FINISHED_ERROR   # blocks freed, nothing cached
+        req.finished, req.metrics.finished_time = True, time.monotonic()
+        self.counters["failed"] += 1
+        outs.append(self._output(req))
+    return outs
+
+LLMEngine.step, LLMEngine._plan_forks, LLMEngine._commit_forks, LLMEngine._step_failed = step, _plan_forks, _commit_forks, _step_failed
+
+
 
 # %% ../nbs/07_engine.ipynb #b6c290f1
 def _append(self: LLMEngine, req: _Request, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
@@ -206,11 +253,11 @@ def _append(self: LLMEngine, req: _Request, seq: Sequence, token: int, logprob: 
     status, reason = None, None
     if can_stop and not p.ignore_eos and token in self.eos_token_ids: status = SequenceStatus.FINISHED_STOPPED
     elif can_stop and token in p.stop_token_ids: status, reason = SequenceStatus.FINISHED_STOPPED, token
-    if status is None and seq.seq_id in req.detok:
+    if (status is None or p.include_stop_str_in_output) and seq.seq_id in req.detok:   # a stop token's text only when asked
         old = req.text[seq.seq_id]
-        delta = req.detok[seq.seq_id].add(token)
+        delta = req.detok[seq.seq_id].add(token)                # a special token is empty under skip_special_tokens
         text = old + delta
-        hit = find_stop_string(text, len(delta), p.stop) if can_stop else None
+        hit = find_stop_string(text, len(delta), p.stop) if can_stop and status is None else None
         if hit:
             s, i = hit
             text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
@@ -240,7 +287,7 @@ def _output(self: LLMEngine, req: _Request) -> RequestOutput:
                                      seq.status.finish_reason, req.stop_reason.get(seq.seq_id)))
     if req.finished: del self.requests[req.request_id]
     cached = max(s.num_cached_tokens for s in req.seqs)
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics, cached)
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics, cached, error=req.error)
 
 def abort_request(self: LLMEngine, request_id: str | Iterable[str]) -> None:
     "Stop requests now and free their blocks; their final outputs (finish_reason 'abort') come with the next step."
@@ -270,26 +317,55 @@ LLMEngine._output, LLMEngine.abort_request, LLMEngine.stats = _output, abort_req
 LLMEngine.has_unfinished_requests, LLMEngine.get_num_unfinished_requests = has_unfinished_requests, get_num_unfinished_requests
 
 # %% ../nbs/07_engine.ipynb #4e8a084d
+class EngineStepError(RuntimeError):
+    "Raised by `LLM.generate` when requests ended with finish_reason 'error'; `.outputs` holds every output of the call."
+    def __init__(self, msg: str, outputs: list[RequestOutput]): super().__init__(msg); self.outputs = outputs
+
+def as_prompt_list(prompts) -> list:
+    "vLLM's prompt forms as a list of single prompts: a string, token ids, a {'prompt'|'prompt_token_ids': ...} dict, or a list of any of them."
+    if isinstance(prompts, (str, dict)): return [prompts]
+    if isinstance(prompts, tuple): prompts = list(prompts)
+    if not isinstance(prompts, list): raise ValueError(f"prompts must be a string, token ids, a prompt dict or a list of them, got {type(prompts).__name__}")
+    if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool): return [prompts]   # one prompt of token ids
+    return prompts
+
+def engine_kwargs(model, config: dict) -> dict:
+    "`EngineConfig` fields from `LLM(...)` arguments, taking what vLLM takes: paths as `Path`, dtype aliases and torch dtypes, `seed=None`."
+    out = {**config, "model": None if model is None else str(model)}
+    if isinstance(out.get("tokenizer"), Path): out["tokenizer"] = str(out["tokenizer"])
+    if "dtype" in out: out["dtype"] = dtype_name(out["dtype"])
+    if "seed" in out and out["seed"] is None: out["seed"] = int.from_bytes(os.urandom(4), "little")   # unseeded, as vLLM's seed=None
+    return out
+
 class LLM:
     "vLLM-shaped offline inference: `LLM(model).generate(prompts, SamplingParams(...))`."
     def __init__(self, model: str | Path | None = None, **config):
-        self.engine = LLMEngine(EngineConfig(model=None if model is None else str(model), **config))
+        self.engine = LLMEngine(EngineConfig(**engine_kwargs(model, config)))
         self._ids = itertools.count()
 
     def get_tokenizer(self): return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        "Generate completions for `prompts` (a string, token ids, or a list of either)."
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)): prompts = [prompts]
+        "Generate completions for `prompts` (see `as_prompt_list`); raises `EngineStepError` after the run if any request failed."
+        prompts = as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts): raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         try:
             for rid, p, sp in zip(ids, prompts, params): self.engine.add_request(rid, p, sp)
-        except Exception:
-            self.engine.abort_request(ids); self.engine._finished_aborts.clear(); raise
-        return self._run(ids, use_tqdm)
+            outs = self._run(ids, use_tqdm)
+        except BaseException:                    # a bad prompt, Ctrl-C, a bug: leave nothing of this call behind
+            self._drop(ids); raise
+        failed = [o for o in outs if o.error]
+        if failed: raise EngineStepError(f"{len(failed)} of {len(outs)} requests failed: {failed[0].error}", outs) from self.engine.last_error
+        return outs
+
+    def _drop(self, ids: list[str]):
+        "Abort this call's requests that are still in the engine, and discard their abort outputs."
+        self.engine.abort_request(ids)
+        mine = set(ids)
+        self.engine._finished_aborts = [o for o in self.engine._finished_aborts if o.request_id not in mine]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         "Generate replies to one conversation (a list of {role, content}) or a list of conversations."
@@ -302,23 +378,24 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done, t0, n_in, n_out = {}, time.perf_counter(), 0, 0
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for o in self.engine.step():
-                if not o.finished: continue
-                done[o.request_id] = o; bar.update(1)
-                n_in += len(o.prompt_token_ids); n_out += sum(len(c.token_ids) for c in o.outputs)
-                dt = time.perf_counter() - t0
-                bar.set_postfix_str(f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s")
-        bar.close()
+        with tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    if not o.finished: continue
+                    done[o.request_id] = o; bar.update(1)
+                    n_in += len(o.prompt_token_ids); n_out += sum(len(c.token_ids) for c in o.outputs)
+                    dt = time.perf_counter() - t0
+                    bar.set_postfix_str(f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s")
         return [done[i] for i in ids]
 
 # %% ../nbs/07_engine.ipynb #80d517cc
-def offline_benchmark(model_dir: str | Path, num_prompts: int = 64, prompt_lens=(8, 96), output_lens=(8, 64), hf_batch_size: int = 16,
+def offline_benchmark(model_dir: str | Path, num_prompts: int = 64, prompt_lens=(8, 96), output_lens=(8, 64),
+                      hf_batch_size: int = 16,   # transformers' static batch size, and the engine's max_num_seqs unless given
                       seed: int = 0, device: str = "cpu", dtype: str = "float32", repeats: int = 3, **engine_kwargs) -> dict:
-    "Output tokens/s of our engine and of transformers `generate` (padded static batches) on the same random workload; best of `repeats` runs each."
+    "Output tokens/s of our engine and of transformers `generate` (padded static batches) on the same random workload, at the same batch size; best of `repeats` runs each."
     import transformers
     g = torch.Generator().manual_seed(seed)
+    engine_kwargs = {"max_num_seqs": hf_batch_size, **engine_kwargs}
     llm = LLM(str(model_dir), device=device, dtype=dtype, **engine_kwargs)
     vocab = llm.engine.runner.model.config.vocab_size
     plens = torch.randint(prompt_lens[0], prompt_lens[1] + 1, (num_prompts,), generator=g).tolist()
@@ -342,5 +419,6 @@ def offline_benchmark(model_dir: str | Path, num_prompts: int = 64, prompt_lens=
                         pad_token_id=0, eos_token_id=None)
     theirs = best(lambda: [hf_batch(list(range(s, min(s + hf_batch_size, num_prompts)))) for s in range(0, num_prompts, hf_batch_size)])
     n_out = sum(olens)
-    return dict(num_prompts=num_prompts, output_tokens=n_out, engine_s=ours, hf_s=theirs, engine_tok_s=n_out / ours,
+    return dict(num_prompts=num_prompts, output_tokens=n_out, batch_size=hf_batch_size, engine_max_num_seqs=llm.engine.config.max_num_seqs,
+                engine_s=ours, hf_s=theirs, engine_tok_s=n_out / ours,
                 hf_tok_s=n_out / theirs, speedup=theirs / ours, engine_steps_per_run=llm.engine.stats["steps"] // (repeats + 2))

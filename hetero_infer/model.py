@@ -12,10 +12,11 @@ from safetensors import safe_open
 from .attention import AttentionMetadata, get_attention_backend
 
 # %% auto #0
-__all__ = ['FAMILIES', 'SUPPORTED_ARCHITECTURES', 'ROPE_TYPES', 'CPU_KV_CACHE_BYTES', 'tiny_hf_checkpoint', 'ModelConfig',
-           'parse_config', 'RMSNorm', 'rope_cos_sin', 'rotate_half', 'apply_rope', 'rope_inv_freq', 'MLP', 'Attention',
-           'DecoderLayer', 'LlamaModel', 'hf_names', 'checkpoint_files', 'load_model', 'resolve_device',
-           'resolve_dtype', 'kv_block_bytes', 'ModelRunner']
+__all__ = ['FAMILIES', 'SUPPORTED_ARCHITECTURES', 'ROPE_TYPES', 'ACTIVATIONS', 'DTYPE_ALIASES', 'CPU_KV_CACHE_BYTES',
+           'tiny_hf_checkpoint', 'ModelConfig', 'layer_windows', 'parse_config', 'RMSNorm', 'rope_cos_sin',
+           'rotate_half', 'apply_rope', 'rope_inv_freq', 'MLP', 'Attention', 'DecoderLayer', 'LlamaModel', 'hf_names',
+           'checkpoint_files', 'dtype_name', 'load_model', 'resolve_device', 'resolve_dtype', 'kv_block_bytes',
+           'ModelRunner']
 
 # %% ../nbs/05_model.ipynb #c9dacdb1
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -47,6 +48,8 @@ def tiny_hf_checkpoint(path,                 # directory to write config.json an
 # %% ../nbs/05_model.ipynb #d2e05550
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,      # hidden_act -> function, as transformers' ACT2FN
+               "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 @dataclass
 class ModelConfig:
@@ -63,7 +66,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None    # {"rope_type": "linear" | "llama3", "factor": ..., ...}; None: plain RoPE
     max_position_embeddings: int = 2048
-    sliding_window: int | None = None   # attention window, when the checkpoint uses one
+    sliding_window: int | None = None   # the window of the sliding layers; None when no layer slides
+    layer_windows: list | None = None   # per layer: its window (int) or None (full causal attention); None: no layer slides
+    hidden_act: str = "silu"            # MLP activation, a key of ACTIVATIONS
     qkv_bias: bool = False              # Qwen2 has biases on q, k and v
     o_bias: bool = False
     mlp_bias: bool = False
@@ -71,25 +76,53 @@ class ModelConfig:
     tie_word_embeddings: bool = False   # lm_head shares the embedding matrix
     torch_dtype: str | None = None      # the dtype the checkpoint was saved in
 
+def _refuse(ok: bool, field: str, msg: str):
+    if not ok: raise ValueError(f"unsupported {field}: {msg}")
+
+def layer_windows(d: dict, arch: str) -> list:
+    "Per-layer attention windows (None = full attention) with transformers' semantics for Mistral, Qwen2 and Qwen3."
+    n, w = d["num_hidden_layers"], d.get("sliding_window", 4096)   # 4096: the config classes' default
+    if arch == "MistralForCausalLM": return [w] * n
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not d.get("use_sliding_window") or w is None: return [None] * n
+    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    _refuse(len(types) == n and set(types) <= {"sliding_attention", "full_attention"}, "layer_types", f"{types!r}")
+    return [w if t == "sliding_attention" else None for t in types]
+
+def _check_fields(d: dict):
+    "Refuse, by name, the config fields that would change the math in a way this decoder does not implement."
+    _refuse(d.get("hidden_act", "silu") in ACTIVATIONS, "hidden_act", f"{d.get('hidden_act')!r}; supported: {', '.join(ACTIVATIONS)}")
+    for f in ("attn_logit_softcapping", "final_logit_softcapping", "quantization_config"):
+        _refuse(d.get(f) is None, f, f"{d.get(f)!r} (only None is supported)")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    _refuse(not any(isinstance(v, dict) for v in rope.values()), "rope_parameters", "per-layer-type rope settings")
+    prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    _refuse(prf in (None, 1, 1.0), "partial_rotary_factor", f"{prf!r} (only 1.0 is supported)")
+
 def parse_config(d: dict) -> ModelConfig:
-    "Read a HF `config.json` dict (transformers 4.x or 5.x layout) into a `ModelConfig`."
+    "Read a HF `config.json` dict (transformers 4.x or 5.x layout) into a `ModelConfig`; refuses fields it cannot honour."
     arch = (d.get("architectures") or [None])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} (model_type {d.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    _check_fields(d)
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})   # 5.x keeps rope_theta in here too
     theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    rope.pop("partial_rotary_factor", None)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES: raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    nh, bias = d["num_attention_heads"], bool(d.get("attention_bias", False))
-    window = d.get("sliding_window") if (arch == "MistralForCausalLM" or d.get("use_sliding_window")) else None
+    nh = d["num_attention_heads"]
+    bias = bool(d.get("attention_bias", False)) and arch != "MistralForCausalLM"   # transformers' Mistral has no attention biases
+    head_dim = d.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" and "head_dim" not in d else d["hidden_size"] // nh)
+    windows = layer_windows(d, arch)
     return ModelConfig(
         architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
         num_layers=d["num_hidden_layers"], num_heads=nh, num_kv_heads=d.get("num_key_value_heads") or nh,
-        head_dim=d.get("head_dim") or d["hidden_size"] // nh, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+        head_dim=head_dim, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
         rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-        max_position_embeddings=d.get("max_position_embeddings", 2048), sliding_window=window,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        sliding_window=next((w for w in windows if w is not None), None), layer_windows=windows if any(windows) else None,
+        hidden_act=d.get("hidden_act", "silu"),
         qkv_bias=bias or arch == "Qwen2ForCausalLM", o_bias=bias and arch != "Qwen2ForCausalLM",
-        mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+        mlp_bias=bool(d.get("mlp_bias", False)) and arch == "LlamaForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), torch_dtype=d.get("torch_dtype") or d.get("dtype"))
 
 # %% ../nbs/05_model.ipynb #cfdf68e1
@@ -136,22 +169,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
 
 # %% ../nbs/05_model.ipynb #303cc299
 class MLP(nn.Module):
-    "SwiGLU feed-forward with gate and up fused into one matmul."
-    def __init__(self, hidden: int, inter: int, bias: bool = False):
+    "Gated feed-forward (SwiGLU for act='silu') with gate and up fused into one matmul."
+    def __init__(self, hidden: int, inter: int, bias: bool = False, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x):  # (T, hidden)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)       # (T, inter) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 # %% ../nbs/05_model.ipynb #ad9fd6a8
 class Attention(nn.Module):
     "GQA self-attention over the paged KV cache: fused qkv -> (q/k norm) -> RoPE -> backend -> o_proj."
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, window: int | None = None):  # window: this layer's sliding window, None = full
         super().__init__()
-        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.nh, self.nkv, self.hd, self.window = c.num_heads, c.num_kv_heads, c.head_dim, window
         self.qkv_proj = nn.Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
@@ -164,18 +198,19 @@ class Attention(nn.Module):
         q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
         if self.q_norm is not None: q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)             # (T, Hq, D), (T, Hkv, D)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, Hq, D)
+        win = {} if self.window is None else {"window": self.window}        # backends without windows never see the keyword
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **win)  # (T, Hq, D)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 # %% ../nbs/05_model.ipynb #fdfb414c
 class DecoderLayer(nn.Module):
     "Pre-norm residual block: h = x + attn(norm(x)); h + mlp(norm(h))."
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):  # (T, hidden)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
@@ -187,7 +222,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, w) for w in (c.layer_windows or [None] * c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings: self.lm_head.weight = self.embed_tokens.weight
@@ -252,10 +287,17 @@ def _read(where, name):
     try: return h.get_tensor(name)
     except Exception as e: raise ValueError(f"checkpoint shard {f.name} is corrupt: cannot read {name}: {e}") from None
 
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
 def _to_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype): return dtype
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16, torch.bfloat16): return dtype
+    dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in ("float32", "float16", "bfloat16"): raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     return getattr(torch, dtype)
+
+def dtype_name(dtype) -> str:
+    "The canonical name of a dtype given as vLLM accepts it: 'auto', a name or alias ('half', 'float', ...) or a torch.dtype."
+    return "auto" if dtype == "auto" else str(_to_dtype(dtype)).removeprefix("torch.")
 
 def _names(xs): return ", ".join(xs[:8]) + (f" ... ({len(xs)} in all)" if len(xs) > 8 else "")
 
@@ -290,8 +332,11 @@ def load_model(path,                  # HF checkpoint directory: config.json + *
 CPU_KV_CACHE_BYTES = 512 * 2**20   # KV-cache budget on CPU
 
 def resolve_device(device: str) -> str:
-    "auto -> cuda when available, else cpu."
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    "auto -> cuda when available, else cpu; cuda without a GPU raises naming device."
+    if device == "auto": return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this torch build sees no CUDA GPU (torch {torch.__version__}); use device='cpu' or 'auto'")
+    return device
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None) -> torch.dtype:
     "auto -> the checkpoint's dtype on GPU (float32 if it names none), float32 on CPU."
@@ -318,6 +363,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.model.backend = get_attention_backend(config.attention_backend, self.device)
+        self._check_windows()
         self.block_size = config.block_size
         self.max_model_len = self._max_model_len()
         self.num_blocks = config.num_blocks or self._num_blocks()
@@ -329,10 +375,16 @@ class ModelRunner:
         return (f"ModelRunner({self.model.config.architecture}, {self.device}, {self.dtype}, backend={self.model.backend.name}, "
                 f"num_blocks={self.num_blocks} x {self.block_size} tokens, max_model_len={self.max_model_len})")
 
+    def _check_windows(self):
+        "Refuse a sliding-window model on a backend whose `forward` takes no `window`."
+        import inspect
+        c, b = self.model.config, self.model.backend
+        if c.layer_windows and not all("window" in inspect.signature(getattr(b, m)).parameters for m in ("forward", "decode", "prefill")):
+            raise ValueError(f"attention_backend {b.name!r} does not support sliding windows, which this model's sliding_window={c.sliding_window} needs")
+
     def _max_model_len(self) -> int:
-        "config.max_model_len, else the model's limit; more than the limit raises naming max_model_len."
-        c = self.model.config
-        limit = min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
+        "config.max_model_len, else the model's limit (max_position_embeddings); more than the limit raises naming max_model_len."
+        limit = self.model.config.max_position_embeddings
         n = self.config.max_model_len or limit
         if n > limit: raise ValueError(f"max_model_len ({n}) exceeds the model's limit of {limit} tokens")
         return n

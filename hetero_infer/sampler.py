@@ -4,12 +4,13 @@
 
 # %% ../nbs/06_sampler.ipynb #05c35ba5
 from __future__ import annotations
+import weakref
 from dataclasses import dataclass
 import torch
 from .core import Sequence, SamplingParams, Logprob
 
 # %% auto #0
-__all__ = ['SamplerOutput', 'row_seed', 'seen_tokens', 'apply_penalties', 'apply_top_k_top_p', 'sampling_probs',
+__all__ = ['SamplerOutput', 'row_seed', 'seen_tokens', 'apply_penalties', 'PenaltyCounts', 'apply_top_k_top_p', 'sampling_probs',
            'exponential_race', 'token_logprobs', 'Sampler']
 
 # %% ../nbs/06_sampler.ipynb #b9945712
@@ -17,7 +18,7 @@ __all__ = ['SamplerOutput', 'row_seed', 'seen_tokens', 'apply_penalties', 'apply
 class SamplerOutput:
     "One sampled token per row, with its logprob under the raw model distribution."
     token_ids: list[int]                          # the chosen token of each row
-    logprobs: list[float]                         # log_softmax(raw logits)[row, token]
+    logprobs: list[float | None]                  # log_softmax(raw logits)[row, token]; None where not computed (Sampler.all_logprobs=False)
     top_logprobs: list[dict[int, Logprob] | None] # top-k plus the chosen token, for rows with params.logprobs set
 
 # %% ../nbs/06_sampler.ipynb #7c1f551b
@@ -68,11 +69,112 @@ def apply_penalties(logits: torch.Tensor,      # (N, V) float32
                     repetition: torch.Tensor,  # (N,) divides positive / multiplies negative logits of seen tokens
                    ) -> torch.Tensor:
     "Repetition (HF/CTRL, over prompt + output), then frequency and presence (OpenAI, over output): a new (N, V) tensor."
-    v, r = logits[rows, toks], repetition[rows]                            # (P,)
-    v = torch.where(v > 0, v / r, v * r) - frequency[rows] * out_counts - presence[rows] * (out_counts > 0)
+    flat = rows * logits.shape[-1] + toks                                 # (P,) flat index of each pair: one gather, one scatter
+    v, r = logits.reshape(-1).index_select(0, flat), repetition.index_select(0, rows)   # (P,)
+    v = torch.where(v > 0, v / r, v * r) - frequency.index_select(0, rows) * out_counts - presence.index_select(0, rows) * (out_counts > 0)
     x = logits.clone()
-    x[rows, toks] = v
+    x.view(-1).index_copy_(0, flat, v)
     return x
+
+# %% ../nbs/06_sampler.ipynb #56f5d175
+class PenaltyCounts:
+    "Each tracked sequence's distinct (sequence, token) pairs and their output counts, on the device, updated with each step's new tokens."
+    def __init__(self, vocab_size: int, device="cpu", rows: int = 8, pairs: int = 1024):
+        self.V, self.device = vocab_size, torch.device(device)
+        self.pair_of = torch.full((rows, vocab_size), -1, dtype=torch.int32, device=device)   # (R, V) index of each seen pair, -1: unseen
+        self.p_row = torch.empty(pairs, dtype=torch.long, device=device)   # (cap,) row of each pair
+        self.p_tok = torch.empty(pairs, dtype=torch.long, device=device)   # (cap,) token of each pair
+        self.p_cnt = torch.empty(pairs, device=device)                     # (cap,) occurrences in the output
+        self.n = 0                                                          # pairs in use
+        self.owner: list = [None] * rows                                    # weakref to the Sequence owning each row
+        self.synced = [0] * rows                                            # output tokens already counted, per row
+        self.row_of: dict[int, int] = {}                                    # id(seq) -> row
+        self.free = list(range(rows - 1, -1, -1))
+
+    def _alloc(self, seq) -> int:
+        "A row for a new sequence: a free one, else one a finished sequence left, else a new one."
+        if not self.free: self._sweep()
+        if not self.free:
+            R = len(self.owner)
+            self.pair_of = torch.cat([self.pair_of, torch.full_like(self.pair_of, -1)])
+            self.owner += [None] * R; self.synced += [0] * R
+            self.free = list(range(2 * R - 1, R - 1, -1))
+        r = self.free.pop()
+        self.owner[r], self.synced[r], self.row_of[id(seq)] = weakref.ref(seq), -1, r   # -1: its prompt is still to count
+        return r
+
+    def _sweep(self):
+        "Free the rows of sequences that finished or no longer exist, and drop their pairs."
+        dead = [r for r, w in enumerate(self.owner) if w is not None and ((s := w()) is None or s.finished)]
+        if not dead: return
+        gone = torch.zeros(len(self.owner), dtype=torch.bool, device=self.device)
+        gone[torch.tensor(dead, device=self.device)] = True
+        pr, pt = self.p_row[:self.n], self.p_tok[:self.n]
+        drop = gone[pr]
+        self.pair_of[pr[drop], pt[drop]] = -1
+        keep = (~drop).nonzero()[:, 0]
+        n = len(keep)
+        self.p_row[:n], self.p_tok[:n], self.p_cnt[:n] = pr[keep], pt[keep], self.p_cnt[:self.n][keep]
+        self.pair_of[self.p_row[:n], self.p_tok[:n]] = torch.arange(n, dtype=torch.int32, device=self.device)
+        self.n = n
+        for r in dead: self.owner[r] = None; self.free.append(r)
+        self.row_of = {k: v for k, v in self.row_of.items() if self.owner[v] is not None}
+
+    def _add(self, rows: list[int], toks: list[int], weights: list[int]):
+        "Count `weights` more occurrences of each (row, token); weight 0 marks a prompt token as seen."
+        if not rows: return
+        d = self.device
+        keys = torch.tensor(rows, device=d) * self.V + torch.tensor(toks, device=d)
+        keys, inv = keys.unique(return_inverse=True)                                   # (K,) distinct new pairs
+        w = torch.zeros(len(keys), device=d).index_add_(0, inv, torch.tensor(weights, dtype=torch.float32, device=d))
+        r, t = keys // self.V, keys % self.V
+        idx = self.pair_of[r, t].long()                                                 # (K,) -1 for a pair not seen before
+        new = (idx < 0).nonzero()[:, 0]
+        if len(new):
+            k = len(new)
+            if self.n + k > len(self.p_row):                                            # grow the pair buffers (doubling)
+                cap = max(2 * len(self.p_row), self.n + k)
+                self.p_row, self.p_tok, self.p_cnt = (torch.cat([b[:self.n], b.new_empty(cap - self.n)]) for b in (self.p_row, self.p_tok, self.p_cnt))
+            at = torch.arange(self.n, self.n + k, device=d)
+            self.p_row[at], self.p_tok[at], self.p_cnt[at] = r[new], t[new], 0.
+            self.pair_of[r[new], t[new]] = at.int()
+            idx[new] = at; self.n += k
+        self.p_cnt.index_add_(0, idx, w)
+
+    def update(self, seqs) -> torch.Tensor:
+        "Bring the counts of `seqs` up to date (O(new tokens)); their rows, (N,) int64."
+        rows, add_r, add_t, add_w = [], [], [], []
+        for s in seqs:
+            r = self.row_of.get(id(s))
+            if r is None or self.owner[r]() is not s: r = self._alloc(s)
+            if self.synced[r] < 0:                                                      # a new row: its prompt first
+                p = s.token_ids[:s.num_prompt_tokens]
+                add_r += [r] * len(p); add_t += p; add_w += [0] * len(p); self.synced[r] = 0
+            n_out = s.num_output_tokens
+            if n_out < self.synced[r]: raise RuntimeError("output shrank")
+            new = s.token_ids[s.num_prompt_tokens + self.synced[r]:]
+            add_r += [r] * len(new); add_t += new; add_w += [1] * len(new); self.synced[r] = n_out
+            rows.append(r)
+        self._add(add_r, add_t, add_w)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def pairs(self, rows: torch.Tensor):
+        "The seen (batch row, token) pairs of the batch whose state rows are `rows` (N,), with output counts: three (P,) tensors."
+        pr = self.p_row[:self.n]
+        if len(set(rows.tolist())) == len(rows):                                       # each row once (the engine's case): a lookup
+            pos = torch.full((len(self.owner),), -1, dtype=torch.long, device=self.device)
+            pos[rows] = torch.arange(len(rows), device=self.device)
+            b = pos[pr]                                                                # (n,) batch row of each pair, -1: not in the batch
+            if bool((b >= 0).all()): return b, self.p_tok[:self.n], self.p_cnt[:self.n]
+            keep = (b >= 0).nonzero()[:, 0]
+            return b[keep], self.p_tok[keep], self.p_cnt[keep]
+        order = rows.argsort()                                                         # a row named several times: expand its pairs
+        srt = rows[order]
+        lo, hi = torch.searchsorted(srt, pr), torch.searchsorted(srt, pr, right=True)  # (n,) batch rows holding each pair's row
+        k = hi - lo
+        pair = torch.repeat_interleave(torch.arange(self.n, device=self.device), k)
+        j = torch.arange(len(pair), device=self.device) - (k.cumsum(0) - k)[pair]
+        return order[lo[pair] + j], self.p_tok[pair], self.p_cnt[pair]
 
 # %% ../nbs/06_sampler.ipynb #0492e855
 def _filter_sorted(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, K: int):
@@ -133,13 +235,16 @@ def exponential_race(probs: torch.Tensor, # (N, V) probabilities (need not be no
 def token_logprobs(logits: torch.Tensor,   # (N, V) raw model logits
                    token_ids: torch.Tensor,# (N,) chosen tokens
                    num_top: list[int|None],# per row: how many top logprobs to return (None: no dict)
-                  ) -> tuple[list[float], list[dict[int, Logprob] | None]]:
+                   only_top: bool = False, # True: chosen-token logprobs only for rows with num_top set (None elsewhere)
+                  ) -> tuple[list[float | None], list[dict[int, Logprob] | None]]:
     "Chosen-token logprobs and top-k dicts (chosen token first, rank 1 = most likely) under log_softmax(logits)."
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    tops: list[dict[int, Logprob] | None] = [None] * len(num_top)
+    if only_top and not rows: return [None] * len(num_top), tops          # no pass over the vocabulary at all
     lse = logits.logsumexp(-1)                                            # (N,)
     chosen = logits.gather(-1, token_ids[:, None])[:, 0]                  # (N,)
     lps = (chosen - lse).tolist()
-    tops: list[dict[int, Logprob] | None] = [None] * len(num_top)
-    rows = [i for i, k in enumerate(num_top) if k is not None]
+    if only_top: lps = [lp if k is not None else None for lp, k in zip(lps, num_top)]
     if not rows: return lps, tops
     r = torch.tensor(rows, device=logits.device)
     sub = logits[r]                                                        # (R, V)
@@ -159,9 +264,11 @@ def token_logprobs(logits: torch.Tensor,   # (N, V) raw model logits
 class Sampler:
     "Picks one token per row of logits, each row with its own `SamplingParams`."
     def __init__(self, eos_token_ids=(), # the engine's end-of-sequence id(s) (banned while len(output) < min_tokens)
-                 seed: int = 0):         # seed of the shared generator that unseeded rows draw from
+                 seed: int = 0,          # seed of the shared generator that unseeded rows draw from
+                 all_logprobs: bool = True):  # False: the chosen token's logprob only for rows with params.logprobs set (else None)
         eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
-        self.eos_token_ids, self.seed, self._generators = eos, seed, {}
+        self.eos_token_ids, self.seed, self._generators, self.all_logprobs = eos, seed, {}, all_logprobs
+        self.penalty_counts: PenaltyCounts | None = None   # created when a row first asks for a penalty
 
     def generator(self, device) -> torch.Generator:
         "The shared generator for unseeded rows on `device` (created on first use, seeded from `seed`)."
@@ -180,7 +287,9 @@ def _adjust_logits(self: Sampler, logits: torch.Tensor, seqs: list[Sequence]) ->
     pen = [i for i, p in enumerate(ps) if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1]
     x = logits
     if pen:
-        rows, toks, counts = seen_tokens([seqs[i].prompt_token_ids for i in pen], [seqs[i].output_token_ids for i in pen], V, x.device)
+        pc = self.penalty_counts
+        if pc is None or pc.V != V or pc.device != x.device: pc = self.penalty_counts = PenaltyCounts(V, x.device)
+        rows, toks, counts = pc.pairs(pc.update([seqs[i] for i in pen]))  # O(new tokens) to update, O(pairs) to list
         rows = _col(pen, x.device, torch.long)[rows]                       # back to batch rows
         x = apply_penalties(x, rows, toks, counts, *(_col([getattr(p, f"{k}_penalty") for p in ps], x.device)
                                                      for k in ("presence", "frequency", "repetition")))
@@ -221,7 +330,7 @@ def _sample(self: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> Sample
         if greedy: g = _col(greedy, x.device, torch.long); tokens[g] = x[g].argmax(-1)
         r = _col(rand, x.device, torch.long)
         tokens[r] = self.sample_random(x[r], [seqs[i] for i in rand])
-    lps, tops = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
+    lps, tops = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs], only_top=not self.all_logprobs)
     return SamplerOutput(tokens.tolist(), lps, tops)
 
 Sampler.__call__ = _sample

@@ -5,9 +5,9 @@
 # %% ../nbs/02_scheduler.ipynb #c8e5e10a
 from __future__ import annotations
 import bisect
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from .core import EngineConfig, Sequence, SequenceStatus
+from .core import EngineConfig, QueueFullError, Sequence, SequenceStatus
 from .block_manager import BlockManager, NoFreeBlocksError
 
 # %% auto #0
@@ -63,6 +63,10 @@ class Scheduler:
         self.running: list[Sequence] = []         # holding blocks; in (priority, arrival_time) order
         self.stats = SchedulerStats()
         self._step_reqs: set[str] = set()         # request ids with a sequence scheduled in the step being built
+        self._parked: dict[int, tuple[Sequence, Sequence]] = {}  # seq_id -> (sibling, leader): waits for the leader to compute their common blocks
+        self._last_out: SchedulerOutput | None = None           # the latest schedule() result, until update() commits it
+        self._members: Counter[str] = Counter()                  # request_id -> its sequences waiting or running
+        self._forks_due: dict[str, int] = {}                    # request_id -> forks it will still make (seats reserved for them)
 
     def __repr__(self): return f"Scheduler(waiting={len(self.waiting)}, running={len(self.running)}, kv usage={self.block_manager.usage():.0%})"
     def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
@@ -82,27 +86,54 @@ def __max_kv_tokens(self: Scheduler, seq: Sequence) -> int:
     return max(len(seq.token_ids), final - 1)
 
 @_method
+def __max_blocks(self: Scheduler, seq: Sequence) -> int:
+    "Blocks a request holds at its longest: the prompt's full blocks once (shared by its n forks) plus each fork's own."
+    n, bs = max(seq.params.n, 1), self.block_manager.block_size
+    per_seq, shared = -(-self._max_kv_tokens(seq) // bs), (seq.num_prompt_tokens // bs if n > 1 else 0)
+    return shared + n * (per_seq - shared)
+
+@_method
+def _num_admitted(self: Scheduler) -> int:
+    "Sequences admitted now (running + waiting); a request not forked yet counts its n completions."
+    return len(self.waiting) + len(self.running) + sum(self._forks_due.values())
+
+@_method
+def __leave(self: Scheduler, seq: Sequence):
+    "Bookkeeping of a sequence leaving for good: its request's seats go when its last sequence goes."
+    rid = seq.request_id
+    self._members[rid] -= 1
+    if not self._members[rid]: del self._members[rid]; self._forks_due.pop(rid, None)
+
+@_method
 def _add(self: Scheduler, seq: Sequence):
     "Queue a new sequence behind those of equal or lower `priority` value; refuse at once one that could never fit."
     cfg, bm, rid = self.config, self.block_manager, seq.request_id
     n, kv = max(seq.params.n, 1), self._max_kv_tokens(seq)
-    blocks, err = n * -(-kv // bm.block_size), None
+    blocks, err = self._max_blocks(seq), None
     if cfg.max_model_len is not None and len(seq.token_ids) > cfg.max_model_len:
         err = f"max_model_len: request {rid!r} has {len(seq.token_ids)} tokens, more than max_model_len={cfg.max_model_len}"
     elif n > cfg.max_num_seqs:
         err = f"max_num_seqs: request {rid!r} asks for n={n} completions, more than max_num_seqs={cfg.max_num_seqs} run at once"
+    elif cfg.max_admitted_seqs is not None and n > cfg.max_admitted_seqs:
+        err = f"max_admitted_seqs: request {rid!r} asks for n={n} completions, more than max_admitted_seqs={cfg.max_admitted_seqs}"
     elif blocks > bm.num_blocks:
-        err = f"num_blocks: request {rid!r} may need {blocks} KV blocks (n={n} x {kv} tokens), more than the cache's num_blocks={bm.num_blocks}"
+        err = (f"num_blocks: request {rid!r} may need {blocks} KV blocks ({kv} tokens of KV for each of n={n} completions, "
+               f"sharing {seq.num_prompt_tokens // bm.block_size if n > 1 else 0} full prompt blocks), more than the cache's num_blocks={bm.num_blocks}")
     elif not cfg.enable_chunked_prefill and kv > cfg.max_num_batched_tokens:
         err = f"max_num_batched_tokens: request {rid!r} may need {kv} tokens in one step, more than max_num_batched_tokens={cfg.max_num_batched_tokens} (chunked prefill is off)"
     if err: self.stats.rejected += 1; raise ValueError(err)
+    if cfg.max_admitted_seqs is not None and (adm := self.num_admitted()) + n > cfg.max_admitted_seqs:
+        raise QueueFullError(f"max_admitted_seqs: admitting request {rid!r} (n={n}) would make {adm + n} admitted sequences, "
+                             f"more than max_admitted_seqs={cfg.max_admitted_seqs}; retry when some have finished")
+    self._members[rid] += 1
+    if n > 1 and self._members[rid] == 1 and seq.num_output_tokens == 0: self._forks_due[rid] = n - 1
     seq.status, w = _WAITING, self.waiting
     if not w or w[-1].priority <= seq.priority: w.append(seq); return
     i = len(w)
     while i and w[i - 1].priority > seq.priority: i -= 1
     w.insert(i, seq)
 
-# %% ../nbs/02_scheduler.ipynb #c5c978a9
+# %% ../nbs/02_scheduler.ipynb #a2818e1a
 @_method
 def __preempt(self: Scheduler, victim: Sequence, out: SchedulerOutput):
     "Preempt `victim`'s whole request by recompute: free its blocks, forget its KV, put it at the front of the waiting queue."
@@ -111,6 +142,7 @@ def __preempt(self: Scheduler, victim: Sequence, out: SchedulerOutput):
     self.running = [s for s in self.running if s.request_id != rid]
     for s in group:
         self.block_manager.free(s)
+        if self._parked: self._parked.pop(s.seq_id, None)
         s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
         s.num_preemptions += 1
     self.waiting.extendleft(reversed(group))
@@ -160,7 +192,7 @@ def __schedule_running(self: Scheduler, out: SchedulerOutput, budget: int, decod
     if decodes and (n := self._schedule_decodes_at_once(out, budget)) is not None: return budget - n
     for seq in list(self.running):
         if budget == 0 or len(out.scheduled) >= max_seqs: break
-        if seq.status is not _RUNNING: continue       # preempted earlier in this pass
+        if seq.status is not _RUNNING or (self._parked and seq.seq_id in self._parked): continue   # preempted in this pass, or parked
         left = len(seq.token_ids) - seq.num_computed_tokens
         if left < 1 or (left == 1) is not decodes: continue
         n = left if left <= budget else budget
@@ -179,6 +211,14 @@ def __head_group(self: Scheduler) -> list[Sequence]:
     return group
 
 @_method
+def __common_blocks(self: Scheduler, leader: Sequence, seq: Sequence) -> int:
+    "Leading full blocks `seq` can share with `leader` (equal tokens; never `seq`'s block holding its last token)."
+    bs, a, b = self.block_manager.block_size, leader.token_ids, seq.token_ids
+    m, k = min(len(a) // bs, (len(b) - 1) // bs), 0
+    while k < m and a[k * bs:(k + 1) * bs] == b[k * bs:(k + 1) * bs]: k += 1
+    return k
+
+@_method
 def __admit(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
     "Move requests from the front of the waiting queue to running while seats, tokens, blocks and the memory threshold allow."
     cfg, bm = self.config, self.block_manager
@@ -189,12 +229,18 @@ def __admit(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
         seats = len(group) + (head.params.n - 1 if len(group) == 1 and head.num_output_tokens == 0 else 0)  # room for its forks
         if len(self.running) + seats > cfg.max_num_seqs or len(out.scheduled) + len(group) > cfg.max_num_seqs: break
         if not cfg.enable_chunked_prefill and len(head.token_ids) > budget: break
-        need, free = sum(bm.blocks_needed(s) for s in group), bm.num_free_blocks()
+        shares = [0] + [self._common_blocks(head, s) for s in group[1:]]
+        need = bm.blocks_needed(head) + sum(-(-len(s.token_ids) // bm.block_size) - k if k else bm.blocks_needed(s) for s, k in zip(group[1:], shares[1:]))
+        free = bm.num_free_blocks()
         if need > free or (self.running and bm.num_blocks - free + need > limit): break
-        for s in group:
+        for s, k in zip(group, shares):
             self.waiting.popleft()
-            bm.allocate(s)                             # prefix-cache hits set num_computed_tokens
-            s.status, left = _RUNNING, len(s.token_ids) - s.num_computed_tokens
+            s.status = _RUNNING
+            if k: bm.allocate_sibling(s, head, k); self._parked[s.seq_id] = (s, head)
+            else: bm.allocate(s)                       # prefix-cache hits set num_computed_tokens
+            if k and head.num_computed_tokens >= k * bm.block_size: bm.join_sibling(s); del self._parked[s.seq_id]
+            if s.seq_id in self._parked: continue      # computes once the leader has computed their common blocks
+            left = len(s.token_ids) - s.num_computed_tokens
             n = min(left, budget)
             if n > 0 and (n == left or cfg.enable_chunked_prefill):
                 slots, copies = bm.append_slots(s, n)
@@ -222,14 +268,26 @@ def _schedule(self: Scheduler) -> SchedulerOutput:
     st, nd = self.stats, out.num_decodes
     st.decode_tokens += nd; st.prefill_tokens += out.num_batched_tokens - nd
     st.steps += bool(sched)
+    self._last_out = out
     return out
 
 # %% ../nbs/02_scheduler.ipynb #ac8d804d
 @_method
 def _update(self: Scheduler, out: SchedulerOutput):
-    "After the forward pass: advance `num_computed_tokens` of every scheduled sequence by its `num_tokens`."
-    for s in out.scheduled:
-        if not s.seq.status.finished: s.seq.num_computed_tokens += s.num_tokens
+    "After the forward pass succeeded: commit every scheduled chunk (advance `num_computed_tokens`, publish full blocks)."
+    if out is not self._last_out: raise ValueError("update(out) takes the output of the latest schedule() call, once")
+    self._last_out, bm, nd = None, self.block_manager, out.num_decodes
+    bm.commit_decodes([x.seq for x in out.scheduled[:nd] if x.seq.status is _RUNNING])   # not aborted meanwhile
+    for x in out.scheduled[nd:]:
+        if x.seq.status is _RUNNING: bm.commit(x.seq, x.num_tokens)
+    if self._parked: self._join_parked()
+
+@_method
+def __join_parked(self: Scheduler):
+    "Parked siblings whose leader has now computed their common blocks share them and start computing."
+    bm = self.block_manager
+    for sid, (s, leader) in list(self._parked.items()):
+        if leader.num_computed_tokens >= bm.lent[sid] * bm.block_size: bm.join_sibling(s); del self._parked[sid]
 
 # %% ../nbs/02_scheduler.ipynb #f4d4eb1b
 @_method
@@ -240,8 +298,21 @@ def _finish(self: Scheduler, seq: Sequence, status: SequenceStatus = SequenceSta
     elif seq.status is _WAITING: self.waiting.remove(seq)
     else: raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.status.value})")
     seq.status = status
+    self._leave(seq)
+    if self._parked: self._unpark(seq)
     if status is SequenceStatus.FINISHED_ABORTED: self.stats.aborted += 1
     else: self.stats.finished += 1
+
+@_method
+def __unpark(self: Scheduler, seq: Sequence):
+    "`seq` left: forget it if parked; siblings parked behind it (it never computed their blocks) go back to waiting, to be recomputed."
+    self._parked.pop(seq.seq_id, None)
+    orphans = [s for s, leader in self._parked.values() if leader is seq]
+    for s in orphans:
+        del self._parked[s.seq_id]
+        self.running.remove(s); self.block_manager.free(s)
+        s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
+    self.waiting.extendleft(reversed(orphans))
 
 @_method
 def _abort(self: Scheduler, request_id: str) -> list[Sequence]:
@@ -253,6 +324,8 @@ def _abort(self: Scheduler, request_id: str) -> list[Sequence]:
     for s in gone:
         if s.status is _RUNNING: self.block_manager.free(s)
         s.status = SequenceStatus.FINISHED_ABORTED
+        self._leave(s)
+        if self._parked: self._parked.pop(s.seq_id, None)
     self.stats.aborted += len(gone)
     return gone
 
@@ -267,3 +340,6 @@ def _fork(self: Scheduler, parent: Sequence, child: Sequence):
     i = q.index(parent) + 1
     while i < len(q) and q[i].request_id == parent.request_id: i += 1
     q.insert(i, child)
+    rid = parent.request_id
+    self._members[rid] += 1
+    if self._forks_due.get(rid): self._forks_due[rid] -= 1

@@ -3,8 +3,8 @@ import math, random
 import pytest, torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
-from hetero_infer.attention import (AttentionMetadata, TorchAttentionBackend, get_attention_backend, gather_kv,
-                                    paged_decode_attention, paged_prefill_attention, write_kv)
+from hetero_infer.attention import (AttentionMetadata, AttentionBackend, TorchAttentionBackend, get_attention_backend, gather_kv,
+                                    paged_decode_attention, paged_prefill_attention, write_kv, plan_attention, attention_buckets)
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}  # bf16: output rounding alone is up to 2^-8
 
@@ -31,13 +31,16 @@ def make_case(seq_lens, q_lens, bs, Hkv, g, D, dtype, seed=0, spare=3):
     v = torch.cat([f[2][L - n:] for f, L, n in zip(full, seq_lens, q_lens)])
     return kc, vc, meta, q, k, v, full
 
-def reference(full, seq_lens, q_lens, scale):
-    "fp64 causal SDPA over each contiguous sequence, keeping the rows of its last q_len tokens."
+def reference(full, seq_lens, q_lens, scale, window=None):
+    "fp64 dense masked softmax over each contiguous sequence (causal, or the last `window` positions), keeping its last q_len rows."
     outs = []
     for (q, k, v), L, n in zip(full, seq_lens, q_lens):
-        o = F.scaled_dot_product_attention(q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
-                                           is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
-        outs.append(o[L - n:])
+        q, k, v = q.double(), k.double(), v.double()
+        k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)   # (L, Hq, D)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale                                    # (Hq, L, L)
+        i, j = torch.arange(L)[:, None], torch.arange(L)[None]
+        hide = (j > i) | ((j <= i - window) if window is not None else torch.zeros(L, L, dtype=torch.bool))
+        outs.append(torch.einsum("hqk,khd->qhd", s.masked_fill(hide, float("-inf")).softmax(-1), v)[L - n:])
     return torch.cat(outs)
 
 def ragged_lens(bs): return [1, bs, bs + 1, 2 * bs, 3 * bs + 5, bs - 1]
@@ -144,3 +147,80 @@ def test_import_does_not_import_triton():
     import subprocess, sys
     code = "import sys, hetero_infer.attention; assert 'triton' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# --- sliding windows, any head size, bounded padding ---------------------------------------------------
+
+@pytest.mark.parametrize("window", [1, 3, 8, 17, 100])
+@pytest.mark.parametrize("D", [80, 96, 112])
+def test_window_and_head_sizes_against_dense_masked_softmax(window, D):
+    "Ragged decodes and chunks over cached prefixes, non-power-of-two head sizes, windows shorter and longer than contexts."
+    bs, lens, qlens = 8, [1, 9, 30, 17, 41, 8], [1, 1, 1, 5, 13, 8]
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 3, D, torch.float32, seed=window * D)
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5, window=window)
+    assert not out.isnan().any()
+    assert rel_err(out, reference(full, lens, qlens, D ** -0.5, window)) <= 1e-4
+    base = AttentionBackend.forward(TorchAttentionBackend(), q, k, v, kc, vc, meta, D ** -0.5, window=window)   # decode/prefill split
+    assert rel_err(base, reference(full, lens, qlens, D ** -0.5, window)) <= 1e-4
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 16), st.sampled_from([4, 16]), st.sampled_from([1, 2, 4]), st.sampled_from([None, 1, 2, 5, 16, 64]),
+       st.sampled_from([16, 40, 64]), st.lists(st.tuples(st.integers(1, 70), st.integers(0, 70)), min_size=1, max_size=7))
+def test_random_batches_with_windows(seed, bs, g, window, D, specs):
+    specs = sorted(((L, 1 + c % L) for L, c in specs), key=lambda s: s[1] != 1)
+    lens, qlens = [s[0] for s in specs], [s[1] for s in specs]
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, g, D, torch.float32, seed=seed)
+    out = get_attention_backend("torch").forward(q, k, v, kc, vc, meta, 0.3, window=window)
+    assert rel_err(out, reference(full, lens, qlens, 0.3, window)) <= 1e-4
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_window_low_precision(dtype):
+    bs, D, lens, qlens = 16, 64, [1, 17, 33, 40, 16, 9], [1, 1, 1, 8, 16, 9]
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 4, D, dtype, seed=11)
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5, window=7)
+    assert out.dtype == dtype and rel_err(out, reference(full, lens, qlens, D ** -0.5, 7)) <= TOL[dtype]
+
+def test_window_reads_nothing_before_the_window():
+    "With a window, keys before it are never gathered: NaN there changes nothing."
+    bs, D, lens, qlens = 4, 32, [20, 13], [1, 3]
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 2, D, torch.float32, seed=5)
+    write_kv(k, v, kc, vc, meta.slot_mapping)
+    ref = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D ** -0.5, window=4)
+    bt = meta.block_tables.long()
+    kc[bt[0, :3]] = float("nan"); vc[bt[0, :3]] = float("nan")      # positions 0..11 of the 20-token sequence: before its window 16..19
+    kc[bt[1, :1]] = float("nan"); vc[bt[1, :1]] = float("nan")      # positions 0..3 of the 13-token one: its queries 10..12 see 7..12
+    out = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D ** -0.5, window=4)
+    assert torch.equal(out, ref)
+
+def test_decode_and_prefill_free_functions_take_window():
+    bs, D, lens = 8, 32, [3, 12, 25]
+    kc, vc, meta, q, k, v, full = make_case(lens, [1, 1, 1], bs, 2, 2, D, torch.float32, seed=2)
+    write_kv(k, v, kc, vc, meta.slot_mapping)
+    d = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window=5)
+    p = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D ** -0.5, window=5)
+    assert torch.equal(d, p) and rel_err(d, reference(full, lens, [1, 1, 1], D ** -0.5, 5)) <= 1e-4
+
+@pytest.mark.parametrize("q_lens,keys", [([1] * 64, [16 + 15 * i for i in range(64)]), ([1900] + [8] * 100, [1900] + [8] * 100),
+                                         ([1] * 40 + [37, 512, 3], [100 + 20 * i for i in range(40)] + [37, 900, 50])])
+def test_padding_is_bounded(q_lens, keys):
+    "Padded query x key work of every bucket stays within 1.25x its own real work: no batch x longest blow-up."
+    for g in attention_buckets(q_lens, keys):
+        padded = len(g) * max(q_lens[i] for i in g) * max(keys[i] for i in g)
+        assert padded <= 1.25 * sum(q_lens[i] * keys[i] for i in g)
+    assert sorted(i for g in attention_buckets(q_lens, keys) for i in g) == list(range(len(q_lens)))
+
+def test_mixed_prefill_plan_is_small():
+    "One 1,900-token prompt with 100 eight-token prompts: the plan gathers about the real keys and masks nothing large."
+    lens = [1900] + [8] * 100
+    nb = [-(-n // 16) for n in lens]
+    tables, at = [], 0
+    for n in nb: tables.append(list(range(at, at + n))); at += n
+    M = max(nb)
+    bt = torch.tensor([t + [0] * (M - len(t)) for t in tables], dtype=torch.int32)
+    plan = plan_attention(lens, lens, bt, 16)
+    assert sum(b.slots.numel() for b in plan) == sum(lens)                     # exactly the keys needed
+    assert all(b.mask is None for b in plan) and any(b.is_causal for b in plan) # fresh prompts: SDPA's own causal mask
+
+def test_plan_built_once_per_step():
+    m = AttentionMetadata.build([5, 9], [1, 4], [[0, 1], [2, 3, 4]], 4)
+    assert m.attention_plan(4) is m.attention_plan(4) and m.attention_plan(4, 2) is not m.attention_plan(4)

@@ -34,8 +34,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cands = [s for _, s in sorted(self.live.items()) if want(s)]
         return cands[i % len(cands)] if cands else None
 
-    def _write(self, seq, n, slots, copies):
-        "Perform the step the scheduler and runner would: copies, then KV writes, then advance."
+    def _write(self, seq, n, slots, copies, commit=True):
+        "Perform the step the scheduler and runner would: copies, then KV writes, then commit (advance, publish)."
         bs, bm = self.bs, self.bm
         for src, dst in copies:
             assert src != dst and bm.blocks[dst].ref_count == 1
@@ -49,7 +49,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert bm.blocks[b].ref_count == 1
             assert [o.seq_id for o in self.live.values() if b in o.block_table] == [seq.seq_id]
             self.kv[slot] = tuple(seq.token_ids[:p + 1])
-        seq.num_computed_tokens += n
+        if commit: self.bm.commit(seq, n)
 
     @rule(toks=tokens)
     def add(self, toks):
@@ -99,13 +99,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert manager_state(self.bm) == before
             for s in seqs: s.token_ids.pop()
             return
-        for s, slot in zip(seqs, slots): self._write(s, 1, [slot], [c for c in copies if c[1] == slot // self.bs])
+        for s, slot in zip(seqs, slots): self._write(s, 1, [slot], [c for c in copies if c[1] == slot // self.bs], commit=False)
         assert len(copies) == len({d for _, d in copies})
+        self.bm.commit_decodes(seqs)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), frac=st.floats(0, 1), copy=st.booleans())
+    def failed_step(self, i, frac, copy):
+        """Slots are handed out, then the forward pass raises: the copies may or may not have run, the slots hold garbage,
+        nothing is committed. Nothing may be published, and a retry (compute) must repair everything."""
+        s = self._pick(i, lambda s: s.num_uncomputed_tokens > 0)
+        if s is None: return
+        n = max(1, round(frac * s.num_uncomputed_tokens))
+        if not self.bm.can_append(s, n): return
+        cached, computed = dict(self.bm.cached), s.num_computed_tokens
+        slots, copies = self.bm.append_slots(s, n)
+        assert self.bm.append_slots(s, n) == (slots, copies)          # scheduling again is idempotent
+        for src, dst in copies if copy else ():
+            for k in range(self.bs): self.kv[dst * self.bs + k] = self.kv.get(src * self.bs + k)
+        for slot in slots: self.kv[slot] = ("garbage",)
+        assert set(self.bm.cached) <= set(cached) and s.num_computed_tokens == computed   # nothing published (taking blocks may evict)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99))
     def fork(self, i):
-        p = self._pick(i)
+        p = self._pick(i, lambda s: s.seq_id not in self.bm.cow_pending)   # the engine forks only after a committed step
+        if p is None: return
         child = p.fork(self.next_id, 1); self.next_id += 1
         self.bm.fork(p, child)
         self.live[child.seq_id] = child
@@ -135,11 +154,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def pool_is_consistent(self):
         bm = self.bm
         held = [b for s in self.live.values() for b in s.block_table]
+        used = set(held) | set(bm.pins)       # in a table, or the source of a copy not yet committed
         free = list(bm.free_ids) + list(bm.evictable)
-        # free + used = total, and no block is both free and in a table
-        assert len(free) == len(set(free)) and not set(free) & set(held)
-        assert len(free) + len(set(held)) == bm.num_blocks == bm.num_free_blocks() + len(set(held))
-        assert abs(bm.usage() - len(set(held)) / bm.num_blocks) < 1e-12
+        # free + used = total, and no block is both free and used
+        assert len(free) == len(set(free)) and not set(free) & used
+        assert len(free) + len(used) == bm.num_blocks == bm.num_free_blocks() + len(used)
+        assert abs(bm.usage() - len(used) / bm.num_blocks) < 1e-12
+        assert sum(bm.pins.values()) == sum(len(c) for c in bm.cow_pending.values()) and set(bm.cow_pending) <= set(self.live)
         # ref counts equal the number of tables holding each block
         for blk in bm.blocks: assert blk.ref_count == held.count(blk.block_id), blk
         assert set(bm.seqs) == set(self.live)
@@ -153,6 +174,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         "Every computed position of every live sequence reads back its own token: CoW and prefix hits never mix sequences."
         bs = self.bs
         for s in self.live.values():
+            if s.seq_id in self.bm.cow_pending: continue      # a failed step's copy may not have run: its retry copies again first
             got = [self.kv.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.num_computed_tokens)]
             assert got == [tuple(s.token_ids[:p + 1]) for p in range(s.num_computed_tokens)], s
         for blk in self.bm.blocks:      # a cached block's content is the tokens it is published under
@@ -163,7 +185,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"): return
         for s in list(self.live.values()): self.bm.free(s)
         bm = self.bm
-        assert bm.num_free_blocks() == bm.num_blocks and bm.usage() == 0 and not bm.seqs
+        assert bm.num_free_blocks() == bm.num_blocks and bm.usage() == 0 and not bm.seqs and not bm.pins and not bm.cow_pending
         assert all(b.ref_count == 0 for b in bm.blocks)
 
 
@@ -188,7 +210,7 @@ def test_prefix_hit_is_longest_cached_prefix(prompts, block_size):
         assert s.num_cached_tokens == s.num_computed_tokens == want
         for j in range(want // bs):
             assert bm.blocks[s.block_table[j]].token_ids == tuple(toks[j * bs:(j + 1) * bs])
-        bm.append_slots(s, len(toks) - want); s.num_computed_tokens = len(toks)
+        bm.append_slots(s, len(toks) - want); bm.commit(s, len(toks) - want)
         bm.free(s)
     assert bm.num_free_blocks() == bm.num_blocks
 
@@ -216,7 +238,7 @@ def test_batched_decode_equals_per_sequence(lens, block_size, forks, steps):
     for _ in range(2):
         bm, seqs = BlockManager(2000, block_size), []
         for i, n in enumerate(lens):
-            s = mkseq(i, [i % 3] * n); bm.allocate(s); bm.append_slots(s, n - s.num_computed_tokens); s.num_computed_tokens = n; seqs.append(s)
+            s = mkseq(i, [i % 3] * n); bm.allocate(s); k = n - s.num_computed_tokens; bm.append_slots(s, k); bm.commit(s, k); seqs.append(s)
         for j, f in enumerate(forks):
             c = seqs[f % len(seqs)].fork(100 + j, 1); bm.fork(seqs[f % len(seqs)], c); seqs.append(c)
         twins.append((bm, seqs))
@@ -227,7 +249,9 @@ def test_batched_decode_equals_per_sequence(lens, block_size, forks, steps):
         slots, copies = [], []
         for s in s2: sl, cp = b2.append_slots(s, 1); slots += sl; copies += cp
         assert got == (slots, copies)
-        for s in s1 + s2: s.num_computed_tokens += 1
+        b1.commit_decodes(s1)
+        for s in s2: b2.commit(s, 1)
+        assert b1.cached == b2.cached and b1.pins == b2.pins == {} and b1.cow_pending == b2.cow_pending == {}
     assert [b.ref_count for b in b1.blocks] == [b.ref_count for b in b2.blocks] and b1.num_free_blocks() == b2.num_free_blocks()
     assert [s.block_table for s in s1] == [s.block_table for s in s2]
 
@@ -249,3 +273,67 @@ def test_block_hash_names_the_content(a, b, parent):
     assert (hash_block(parent, a) == hash_block(parent, b)) == (a == b)
     assert hash_block(parent, a) == hash_block(bytes(parent), tuple(a))
     assert hash_block(b"", a) != hash_block(hash_block(b"", [4]), a)
+
+
+# --- issue 10 item 1: publish at commit, never at scheduling ---
+
+def test_failed_step_publishes_nothing():
+    "append_slots without commit (the forward pass raised), then free: the same prompt gets no cache hit."
+    bm = BlockManager(8, 4)
+    a = mkseq(0, range(10)); bm.allocate(a); bm.append_slots(a, 10)
+    assert not bm.cached and a.num_computed_tokens == 0
+    bm.free(a)
+    b = mkseq(1, range(10)); bm.allocate(b)
+    assert b.num_cached_tokens == 0 and bm.stats.cache_hits == 0
+
+def test_commit_publishes_the_blocks_the_step_filled():
+    bm = BlockManager(8, 4)
+    a = mkseq(0, range(10)); bm.allocate(a)
+    bm.append_slots(a, 6); bm.commit(a, 6)
+    assert len(bm.cached) == 1 and a.num_computed_tokens == 6     # block 0 full, block 1 half
+    bm.append_slots(a, 4); bm.commit(a, 4)
+    assert len(bm.cached) == 2 and a.num_computed_tokens == 10
+    with pytest.raises(ValueError, match="n must be in"): bm.commit(a, 1)
+    with pytest.raises(KeyError): bm.commit(mkseq(5, [1]), 1)
+
+def test_commit_without_slots_is_refused():
+    bm = BlockManager(8, 4)
+    a = mkseq(0, range(10)); bm.allocate(a)
+    a.append_token(1); a.append_token(2); a.append_token(3)      # 13 tokens, only 3 blocks reserved
+    bm.append_slots(a, 10); bm.commit(a, 10)
+    with pytest.raises(ValueError, match="have slots"): bm.commit(a, 3)
+
+def test_retried_copy_on_write_is_handed_out_again_and_its_source_kept():
+    bm = BlockManager(6, 4)
+    p = mkseq(0, range(6)); bm.allocate(p); bm.append_slots(p, 6); bm.commit(p, 6)
+    c = p.fork(1, 1); bm.fork(p, c)
+    p.append_token(9); c.append_token(8)
+    first = bm.append_slots(p, 1)
+    (src, dst), = first[1]
+    bm.free(c)                                                     # the only other holder leaves before the retry
+    assert bm.blocks[src].ref_count == 0 and src in bm.pins and src not in bm.free_ids and src not in bm.evictable
+    filler = mkseq(2, range(100, 112))                             # takes every free block: src must not be among them
+    if bm.can_allocate(filler): bm.allocate(filler); assert src not in filler.block_table
+    assert bm.append_slots(p, 1) == first
+    with pytest.raises(ValueError, match="not yet committed"): bm.fork(p, mkseq(3, [1]))   # forks come after a committed step
+    bm.commit(p, 1)
+    assert not bm.pins and not bm.cow_pending and (src in bm.free_ids or src in bm.evictable)
+
+def test_sibling_borrows_then_joins():
+    bm = BlockManager(8, 4)
+    lead, sib = mkseq(0, list(range(8)) + [1]), mkseq(1, list(range(8)) + [2, 3])
+    bm.allocate(lead); bm.allocate_sibling(sib, lead, 2)
+    assert [bm.blocks[b].ref_count for b in lead.block_table] == [1, 1, 1] and bm.num_free_blocks() == 4
+    bm.append_slots(lead, 9)                                       # the leader writes the lent blocks as their only owner: no copy
+    assert bm.cow_pending == {}
+    bm.commit(lead, 9); bm.join_sibling(sib)
+    assert sib.num_computed_tokens == 8 and [bm.blocks[b].ref_count for b in lead.block_table] == [2, 2, 1]
+    bm.free(sib); bm.free(lead)
+    assert bm.num_free_blocks() == 8 and all(b.ref_count == 0 for b in bm.blocks)
+
+def test_sibling_freed_before_joining_releases_only_its_own():
+    bm = BlockManager(8, 4)
+    lead, sib = mkseq(0, list(range(8)) + [1]), mkseq(1, list(range(8)) + [2, 3])
+    bm.allocate(lead); bm.allocate_sibling(sib, lead, 2)
+    bm.free(sib)
+    assert [bm.blocks[b].ref_count for b in lead.block_table] == [1, 1, 1] and bm.num_free_blocks() == 5 and not bm.lent

@@ -89,3 +89,15 @@ def test_greedy_accuracy_with_transformers(model, tok):
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     right = sum(check_answer(p, t) for p, t in zip(prompts, texts))
     assert right >= 18, list(zip(prompts, texts))
+
+def test_readme_command_line_example_prints_what_the_readme_shows(capsys):
+    "The README's `hetero-infer generate --chat ...` example on the demo model prints exactly the lines the README shows."
+    import re, shlex
+    from pathlib import Path
+    from hetero_infer.cli import main
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"^(hetero-infer generate --chat .*)\n((?:# .*\n)+)", readme, re.M)
+    assert m, "README.md shows no `hetero-infer generate --chat` example with its output"
+    assert main(shlex.split(m[1])[1:]) == 0
+    shown = [l[2:] for l in m[2].splitlines()]
+    assert capsys.readouterr().out.strip().splitlines()[-len(shown):] == shown

@@ -1,8 +1,8 @@
 """The Llama-family model against transformers on tiny random-weight checkpoints of every family (CPU, fp32)."""
-import json, os, random
+import inspect, json, os, random
 from types import SimpleNamespace as NS
 import pytest, torch
-from hetero_infer.attention import AttentionMetadata
+from hetero_infer.attention import AttentionMetadata, get_attention_backend
 from hetero_infer.core import EngineConfig, Sequence
 from hetero_infer.model import (FAMILIES, ModelRunner, checkpoint_files, load_model, parse_config, rope_inv_freq,
                                 tiny_hf_checkpoint)
@@ -166,13 +166,62 @@ def test_bfloat16_load_close_to_hf_bf16(tmp_path):
 # --- runner set-up
 
 def test_runner_sizes_and_limits(tmp_path):
-    tiny_hf_checkpoint(tmp_path, "mistral", sliding_window=64)
-    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=16, max_num_seqs=8))
-    assert r.max_model_len == 64                       # capped by the sliding window
+    tiny_hf_checkpoint(tmp_path, "mistral")
+    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=16, max_num_seqs=8, max_model_len=64))
+    assert r.max_model_len == 64
     assert r.num_blocks == 8 * 4 and r.kv_caches[0][0].shape == (32, 16, 2, 16)
     assert r.model.backend.name == "torch" and r.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"max_model_len \(100\) exceeds"):
-        ModelRunner(EngineConfig(model=str(tmp_path), max_model_len=100))
+    with pytest.raises(ValueError, match=r"max_model_len \(1000\) exceeds"):
+        ModelRunner(EngineConfig(model=str(tmp_path), max_model_len=1000))
+
+def _takes_window(backend): return all("window" in inspect.signature(getattr(backend, m)).parameters for m in ("forward", "decode", "prefill"))
+
+def test_sliding_window_does_not_cap_max_model_len(tmp_path):
+    "A window of 64 no longer caps max_model_len at 64 (the backend attends over the window); a backend without windows is refused."
+    tiny_hf_checkpoint(tmp_path, "mistral", sliding_window=64)
+    if not _takes_window(get_attention_backend("torch")):
+        with pytest.raises(ValueError, match="does not support sliding windows.*sliding_window=64"): ModelRunner(EngineConfig(model=str(tmp_path)))
+        pytest.skip("the torch backend takes no window= yet")
+    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=16, max_num_seqs=8))
+    assert r.max_model_len == 512 and r.model.config.layer_windows == [64, 64]
+    assert [l.self_attn.window for l in r.model.layers] == [64, 64]
+
+# --- activations and config fields
+
+@pytest.mark.parametrize("family,act", [("llama", "gelu"), ("llama", "gelu_new"), ("qwen3", "gelu_pytorch_tanh"), ("mistral", "relu")])
+def test_activation_matches_hf(tmp_path, family, act):
+    "hidden_act is honoured: a GELU/ReLU checkpoint gives transformers' logits (it used to run SiLU regardless)."
+    hf = tiny_hf_checkpoint(tmp_path, family, hidden_act=act)
+    ids = rand_ids(15, seed=4)
+    torch.testing.assert_close(paged_logits(load_model(tmp_path), ids, 11), hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+@pytest.mark.parametrize("field,value", [("hidden_act", "quick_gelu"), ("hidden_act", "gelu_fast"), ("attn_logit_softcapping", 50.0),
+                                         ("final_logit_softcapping", 30.0), ("quantization_config", {"quant_method": "awq"}),
+                                         ("partial_rotary_factor", 0.5)])
+def test_unsupported_config_field_is_refused_by_name(tmp_path, field, value):
+    tiny_hf_checkpoint(tmp_path, "llama")
+    d = json.loads((tmp_path / "config.json").read_text()); d[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=f"unsupported {field}"): load_model(tmp_path)
+
+def test_bias_fields_follow_transformers():
+    "attention_bias: all four projections for Llama/Qwen3, ignored by Mistral; Qwen2 always q/k/v only; mlp_bias only for Llama."
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, attention_bias=True, mlp_bias=True)
+    got = {a: (lambda c: (c.qkv_bias, c.o_bias, c.mlp_bias))(parse_config({**base, "architectures": [a]})) for a in
+           ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")}
+    assert got == {"LlamaForCausalLM": (True, True, True), "Qwen3ForCausalLM": (True, True, False),
+                   "MistralForCausalLM": (False, False, False), "Qwen2ForCausalLM": (True, False, False)}
+
+@pytest.mark.parametrize("family,kw", [("mistral", dict(sliding_window=7)), ("mistral", dict(sliding_window=None)),
+                                       ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+                                       ("qwen2", dict(use_sliding_window=False, sliding_window=7)),
+                                       ("qwen3", dict(use_sliding_window=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"]))])
+def test_layer_windows_follow_transformers(tmp_path, family, kw):
+    "Our per-layer windows equal the sliding_window each transformers attention layer uses."
+    hf = tiny_hf_checkpoint(tmp_path, family, **kw)
+    c = parse_config(json.loads((tmp_path / "config.json").read_text()))
+    want = [getattr(l.self_attn, "sliding_window", None) if family != "mistral" else hf.config.sliding_window for l in hf.model.layers]
+    assert (c.layer_windows or [None] * c.num_layers) == want
 
 # --- errors
 
@@ -233,6 +282,7 @@ def test_missing_and_unexpected_weights(tmp_path):
     save_file({**sd, "model.norm.weight": torch.ones(65)}, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"weight norm.weight has shape \(65,\)"): load_model(d)
     with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"): load_model(tmp_path / "src", "int8")
+    assert load_model(tmp_path / "src", "half").embed_tokens.weight.dtype == torch.float16
 
 def test_with_block_manager_fork_and_prefix_cache(tmp_path):
     "The runner over the real BlockManager: copy-on-write after a fork, then a prefix-cache hit, all equal to HF."
@@ -246,7 +296,7 @@ def test_with_block_manager_fork_and_prefix_cache(tmp_path):
             slots, copies = bm.append_slots(s, n)
             items.append((NS(seq=s, num_tokens=n, slot_mapping=slots), copies))
         logits = r.execute(NS(scheduled=[i for i, _ in items], block_copies=[c for _, cs in items for c in cs]))
-        for s, n in seqs_n: s.num_computed_tokens += n
+        for s, n in seqs_n: bm.commit(s, n)                               # the step completed: advance, publish full blocks
         for s, row in zip([s for s, _ in seqs_n if s.num_computed_tokens == len(s)], logits):
             torch.testing.assert_close(row, hf_logits(hf, s.token_ids)[-1], atol=ATOL, rtol=0)
         return [items, logits]

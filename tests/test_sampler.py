@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from hetero_infer.core import Sequence, SamplingParams
+from hetero_infer.core import SequenceStatus
 from hetero_infer.sampler import (Sampler, SamplerOutput, apply_penalties, apply_top_k_top_p, sampling_probs,
-                                  seen_tokens, token_logprobs, exponential_race, row_seed)
+                                  seen_tokens, token_logprobs, exponential_race, row_seed, PenaltyCounts)
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -182,6 +183,86 @@ def test_penalties_shift_sampling():
     x = torch.tensor([[0.0, 5.0, 4.0]])
     assert Sampler([])(x, [seq([0], [1, 1], temperature=0)]).token_ids == [1]
     assert Sampler([])(x, [seq([0], [1, 1], temperature=0, frequency_penalty=1.0)]).token_ids == [2]
+
+
+# --- incremental penalty counts --------------------------------------------------------------------
+
+def from_scratch(batch, V):
+    "seen_tokens' answer for `batch`, as a sorted list of (batch row, token, output count)."
+    r, t, c = seen_tokens([s.prompt_token_ids for s in batch], [s.output_token_ids for s in batch], V)
+    return sorted(zip(r.tolist(), t.tolist(), c.tolist()))
+
+OPS = st.lists(st.tuples(st.sampled_from(["step", "finish", "fork", "preempt", "new", "skip"]), st.integers(0, 2**16)), min_size=1, max_size=40)
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(V=st.integers(2, 40), ops=OPS, seed=st.integers(0, 2**16), rows=st.integers(1, 4), pairs=st.integers(1, 16))
+def test_penalty_counts_equal_the_from_scratch_computation(V, ops, seed, rows, pairs):
+    """Through random steps (batches of any subset, a sequence named twice), finishing, n>1 forks, preemption with
+    recompute (tokens kept, progress reset) and new arrivals, the kept counts equal seen_tokens from scratch."""
+    g = torch.Generator().manual_seed(seed)
+    ri = lambda n: int(torch.randint(0, n, (1,), generator=g))
+    pc, ids = PenaltyCounts(V, rows=rows, pairs=pairs), iter(range(10**6))
+    def new(): return seq([ri(V) for _ in range(1 + ri(6))], [ri(V) for _ in range(ri(3))], seq_id=next(ids), repetition_penalty=1.5)
+    live = [new() for _ in range(3)]
+    for op, k in ops:
+        if op == "finish" and len(live) > 1: live.pop(k % len(live)).status = SequenceStatus.FINISHED_STOPPED
+        elif op == "fork": live.append(live[k % len(live)].fork(next(ids), index=1))
+        elif op == "preempt": live[k % len(live)].num_computed_tokens = 0       # recompute: the tokens stay, the KV goes
+        elif op == "new": live.append(new())
+        if op == "skip": continue
+        batch = [s for j, s in enumerate(live) if (k >> j) & 1] or live[:1]
+        batch += batch[:k % 2]                                               # sometimes one sequence twice
+        got = sorted(zip(*(x.tolist() for x in pc.pairs(pc.update(batch)))))
+        assert got == from_scratch(batch, V)
+        for s in set(batch): s.append_token(ri(V))
+
+
+def test_penalty_counts_read_only_new_tokens():
+    "After a sequence's first step only its new tokens are read: rewriting old ones (never done for real) goes unnoticed."
+    pc = PenaltyCounts(10)
+    s = seq([1, 2, 3], [4], repetition_penalty=1.2)
+    pc.update([s])
+    s.token_ids[0] = 9; s.append_token(5)
+    got = sorted(zip(*(x.tolist() for x in pc.pairs(pc.update([s])))))
+    assert got == [(0, 1, 0.), (0, 2, 0.), (0, 3, 0.), (0, 4, 1.), (0, 5, 1.)]
+    assert pc.synced[pc.row_of[id(s)]] == 2
+
+
+def test_penalty_counts_reclaim_rows_of_finished_sequences():
+    pc = PenaltyCounts(50, rows=2)
+    seqs = [seq([i], seq_id=i, repetition_penalty=1.2) for i in range(2)]
+    pc.update(seqs)
+    for s in seqs: s.status = SequenceStatus.FINISHED_STOPPED
+    more = [seq([10 + i], seq_id=10 + i, repetition_penalty=1.2) for i in range(2)]
+    pc.update(more)
+    assert len(pc.owner) == 2 and pc.n == 2                                  # rows reused, old pairs dropped
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(V=st.integers(4, 80), seed=st.integers(0, 10_000), steps=st.integers(1, 6))
+def test_sampler_penalties_over_steps_equal_from_scratch(V, seed, steps):
+    "The sampler's penalized logits, step after step, equal apply_penalties over seen_tokens computed from scratch."
+    g = torch.Generator().manual_seed(seed)
+    kinds = [dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=-0.4), dict(), dict(repetition_penalty=0.8, frequency_penalty=1.0)]
+    seqs = [seq(torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist(), seq_id=i, temperature=0, **kinds[i % 4])
+            for i in range(6)]
+    smp = Sampler([])
+    for step in range(steps):
+        x = rand_logits(len(seqs), V, seed + step)
+        r, t, c = seen_tokens([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], V)
+        col = lambda f: torch.tensor([getattr(s.params, f) for s in seqs], dtype=torch.float32)
+        want = apply_penalties(x, r, t, c, col("presence_penalty"), col("frequency_penalty"), col("repetition_penalty"))
+        assert torch.allclose(smp.adjust_logits(x, seqs), want, atol=1e-6)
+        for s, tok in zip(seqs, smp(x, seqs).token_ids): s.append_token(tok)
+
+
+def test_all_logprobs_off_skips_rows_that_did_not_ask():
+    x = rand_logits(3, 50, 1)
+    seqs = [seq(temperature=0), seq(temperature=0, logprobs=1), seq(temperature=0.5, seed=3)]
+    on, off = Sampler([0])(x, seqs), Sampler([0], all_logprobs=False)(x, seqs)
+    assert off.token_ids == on.token_ids
+    assert off.logprobs[0] is None and off.logprobs[2] is None and off.logprobs[1] == pytest.approx(on.logprobs[1])
+    assert off.top_logprobs == on.top_logprobs
 
 
 # --- seeds ----------------------------------------------------------------------------------------

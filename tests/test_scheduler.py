@@ -1,5 +1,5 @@
 "Property tests of the continuous-batching scheduler: invariants of every step, and whole simulated workloads."
-import itertools, random
+import collections, itertools, random
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 from hetero_infer.core import EngineConfig, SamplingParams, Sequence, SequenceStatus
@@ -36,12 +36,39 @@ def check_step(sch: Scheduler, out: SchedulerOutput, live: list):
     for q, name in ((sch.waiting, "w"), (sch.running, "r")):
         for s in q: assert where.setdefault(s.request_id, name) == name                   # a request's forks stay together
     assert 0 <= bm.usage() <= 1
+    members = collections.Counter(s.request_id for s in itertools.chain(sch.waiting, sch.running))   # admitted, counted afresh
+    assert sch.num_admitted() == sum(s.params.n if members[s.request_id] == 1 and s.num_output_tokens == 0 else 1
+                                     for s in itertools.chain(sch.waiting, sch.running))
 
-def play(sch: Scheduler, reqs, max_steps=3_000, abort_every=0, rng=None):
-    """Play the engine: schedule -> update -> append a token to every sampling sequence -> finish at max_tokens.
-    `reqs` is a list of (prompt_len, max_tokens, n, priority, arrival_step). Returns (finished seqs, steps, aborted ids)."""
+def prefix_keys(seq):
+    "key[p] names token p *and its whole prefix*: what the K/V at position p depends on."
+    keys, h = [], 0
+    for t in seq.token_ids: h = hash((h, t)); keys.append(h)
+    return keys
+
+def run_forward(sch, out, kv, fail=False, copy=True):
+    """What the runner does with one step, on a simulated cache `kv` (slot -> key): the block copies, every KV write,
+    then each sequence attends its context, which must read back its own prefix (prefix hits, forks, siblings included).
+    `fail`: the forward pass raises midway: copies done or not (`copy`), the slots left with garbage, nothing read."""
+    bs = sch.block_manager.block_size
+    for src, dst in out.block_copies if copy or not fail else ():
+        for k in range(bs): kv[dst * bs + k] = kv.get(src * bs + k)
+    for x in out.scheduled:
+        keys = prefix_keys(x.seq)
+        for p, slot in zip(range(x.seq.num_computed_tokens, x.seq.num_computed_tokens + x.num_tokens), x.slot_mapping):
+            kv[slot] = "garbage" if fail else keys[p]
+    if fail: return
+    for x in out.scheduled:
+        s, keys = x.seq, prefix_keys(x.seq)
+        got = [kv.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.num_computed_tokens + x.num_tokens)]
+        assert got == keys[:len(got)], f"sequence {s.seq_id} reads KV that is not its own prefix"
+
+def play(sch: Scheduler, reqs, max_steps=3_000, abort_every=0, rng=None, fail_every=0):
+    """Play the engine: schedule -> forward (simulated KV) -> update -> append a token to every sampling sequence ->
+    finish at max_tokens. `reqs` is a list of (prompt_len, max_tokens, n, priority, arrival_step); `fail_every`: every
+    so many steps the forward pass raises (no update; the next schedule retries). Returns (finished, steps, aborted ids, all seqs)."""
     rng = rng or random.Random(0)
-    ids = itertools.count()
+    ids, kv = itertools.count(), {}
     live, done, aborted, pending = [], [], set(), sorted(enumerate(reqs), key=lambda r: r[1][4])
     step = 0
     while pending or sch.has_unfinished():
@@ -61,6 +88,11 @@ def play(sch: Scheduler, reqs, max_steps=3_000, abort_every=0, rng=None):
             bm = sch.block_manager
             assert bm.num_blocks - bm.num_free_blocks() <= sch.config.memory_threshold * bm.num_blocks
         sampling = [x.seq for x in out.scheduled if x.samples]
+        if fail_every and step % fail_every == fail_every - 1 and out.scheduled:
+            run_forward(sch, out, kv, fail=True, copy=rng.random() < 0.5)
+            step += 1
+            continue
+        run_forward(sch, out, kv)
         sch.update(out)
         for s in sampling:
             if s.num_output_tokens == 0 and s.params.n > 1 and s.index == 0:       # n > 1: fork at the first token
@@ -77,19 +109,25 @@ def play(sch: Scheduler, reqs, max_steps=3_000, abort_every=0, rng=None):
         assert step < max_steps, f"no progress: {sch}"
     return done, step, aborted, live
 
+def max_blocks(prompt, max_tokens, n, bs):
+    "The most blocks a request holds: the prompt's full blocks once (shared by its forks) plus each fork's own."
+    shared = prompt // bs if n > 1 else 0
+    return shared + n * (-(-(prompt + max_tokens - 1) // bs) - shared)
+
 req = st.tuples(st.integers(1, 40), st.integers(1, 12), st.sampled_from([1, 1, 1, 2, 3]), st.integers(0, 2), st.integers(0, 30))
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=st.lists(req, min_size=1, max_size=12), num_blocks=st.integers(40, 80), block_size=st.sampled_from([1, 2, 4, 8]),
+@given(reqs=st.lists(req, min_size=1, max_size=12), num_blocks=st.integers(10, 80), block_size=st.sampled_from([1, 2, 4, 8]),
        max_num_seqs=st.integers(1, 8), max_tokens=st.integers(1, 64), chunked=st.booleans(), caching=st.booleans(),
-       threshold=st.sampled_from([0.5, 0.9, 1.0]))
-def test_workload_finishes_with_exact_lengths(reqs, num_blocks, block_size, max_num_seqs, max_tokens, chunked, caching, threshold):
-    "Every request ends with exactly max_tokens outputs per completion, whatever the limits; each step keeps the invariants."
+       threshold=st.sampled_from([0.5, 0.9, 1.0]), fail_every=st.sampled_from([0, 0, 3, 7]))
+def test_workload_finishes_with_exact_lengths(reqs, num_blocks, block_size, max_num_seqs, max_tokens, chunked, caching, threshold, fail_every):
+    """Every request ends with exactly max_tokens outputs per completion, whatever the limits and however many forward passes
+    fail; each step keeps the invariants and every sequence reads only its own prefix's KV (no poisoned prefix-cache hit)."""
     if not chunked: max_tokens = max(max_tokens, 64)   # without chunking a whole (recomputed) sequence must fit one step
     sch = make_sched(num_blocks, block_size, caching, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                      enable_chunked_prefill=chunked, memory_threshold=threshold)
-    ok = [r for r in reqs if r[2] * -(-(r[0] + r[1] - 1) // block_size) <= num_blocks and r[2] <= max_num_seqs]
-    done, steps, _, live = play(sch, ok)
+    ok = [r for r in reqs if max_blocks(r[0], r[1], r[2], block_size) <= num_blocks and r[2] <= max_num_seqs]
+    done, steps, _, live = play(sch, ok, fail_every=fail_every)
     assert len(done) == sum(r[2] for r in ok) == len(live)
     for s in done:
         mt = s.params.max_tokens
@@ -153,3 +191,179 @@ def test_rejects_what_can_never_fit():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_sched(enable_chunked_prefill=False, max_num_batched_tokens=8).add(Sequence(5, "f", [1] * 4, 4, SamplingParams(max_tokens=6)))
     assert sch.stats.rejected == 3 and len(sch.waiting) == 1
+
+
+# --- issue 10 item 1: a block becomes a prefix-cache hit only after the step that writes its KV has completed ---
+
+def test_failed_forward_then_abort_gives_no_cache_hit():
+    "Schedule a prompt, the forward pass raises (no update), abort it, add the same prompt: no cache hit on unwritten KV."
+    sch = make_sched(num_blocks=16, block_size=4)
+    prompt = list(range(10))
+    sch.add(Sequence(0, "a", prompt, 10))
+    sch.schedule()                                          # the step fails: update is never called
+    sch.abort("a")
+    again = Sequence(1, "b", prompt, 10)
+    sch.add(again)
+    out = sch.schedule()
+    assert again.num_cached_tokens == again.num_computed_tokens == 0 and sch.block_manager.stats.cache_hits == 0
+    assert out.scheduled[0].num_tokens == 10                # the whole prompt is computed again
+    sch.update(out)
+    third = Sequence(2, "c", prompt, 10); sch.add(third); sch.schedule()
+    assert third.num_cached_tokens == 8                     # once a step completed, its full blocks are hits
+
+def test_rescheduling_after_failed_step_is_idempotent():
+    "The same sequences get the same slots and copies; no block is taken twice, ref counts do not change, nothing is published."
+    sch = make_sched(num_blocks=16, block_size=4, max_num_batched_tokens=16)
+    p = Sequence(0, "p", [1, 2, 3, 4, 5, 6], 6, SamplingParams(n=2, max_tokens=5))
+    sch.add(p); sch.add(Sequence(1, "q", list(range(20, 29)), 9))
+    out = sch.schedule(); sch.update(out)
+    c = p.fork(2, 1); sch.fork(p, c)
+    for s in (p, c): s.append_token(7)
+    bm = sch.block_manager
+    first = sch.schedule()                                  # decodes with a copy-on-write + q's prefill chunk; fails
+    state = (bm.num_free_blocks(), [b.ref_count for b in bm.blocks], dict(bm.cached), [list(s.block_table) for s in sch.running])
+    assert first.block_copies
+    for _ in range(3):
+        again = sch.schedule()
+        assert [(x.seq.seq_id, x.num_tokens, x.slot_mapping) for x in again.scheduled] == \
+               [(x.seq.seq_id, x.num_tokens, x.slot_mapping) for x in first.scheduled]
+        assert again.block_copies == first.block_copies     # the copy may never have run: it is handed out again
+        assert (bm.num_free_blocks(), [b.ref_count for b in bm.blocks], dict(bm.cached), [list(s.block_table) for s in sch.running]) == state
+    sch.update(again)
+    assert not bm.pins and not bm.cow_pending and p.num_computed_tokens == c.num_computed_tokens == 7
+
+def test_failed_step_then_abort_frees_everything():
+    sch = make_sched(num_blocks=16, block_size=4)
+    p = Sequence(0, "p", list(range(6)), 6, SamplingParams(n=2))
+    sch.add(p); out = sch.schedule(); sch.update(out)
+    c = p.fork(1, 1); sch.fork(p, c)
+    for s in (p, c): s.append_token(9)
+    sch.schedule()                                          # copy-on-write handed out, the step fails
+    assert sch.block_manager.pins
+    sch.abort("p")
+    bm = sch.block_manager
+    assert bm.num_free_blocks() == bm.num_blocks and not bm.pins and not bm.cow_pending and not bm.seqs
+
+def test_update_takes_only_the_latest_output_once():
+    sch = make_sched()
+    sch.add(Sequence(0, "a", [1, 2, 3], 3))
+    old = sch.schedule(); new = sch.schedule()
+    with pytest.raises(ValueError, match="latest schedule"): sch.update(old)
+    sch.update(new)
+    with pytest.raises(ValueError, match="once"): sch.update(new)
+
+# --- issue 10 item 9: n > 1 admission counts the shared prompt blocks once ---
+
+def run_all(sch, max_steps=2_000):
+    "play() for requests already added; returns the finished sequences and the most blocks held at once."
+    ids, done, peak, kv, bm = itertools.count(1000), [], 0, {}, sch.block_manager
+    for _ in range(max_steps):
+        if not sch.has_unfinished(): return done, peak
+        out = sch.schedule(); samp = [x.seq for x in out.scheduled if x.samples]
+        run_forward(sch, out, kv); sch.update(out)
+        peak = max(peak, bm.num_blocks - bm.num_free_blocks())
+        for s in samp:
+            kids = [s.fork(next(ids), k) for k in range(1, s.params.n)] if s.num_output_tokens == 0 and s.index == 0 else []
+            for k in kids: sch.fork(s, k)
+            for x in [s] + kids:
+                x.append_token(x.index)
+                if x.num_output_tokens == x.params.max_tokens: sch.finish(x, SequenceStatus.FINISHED_LENGTH); done.append(x)
+    raise AssertionError(f"no progress: {sch}")
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 8, 10, 11])
+def test_n4_shares_prompt_blocks_and_runs_to_completion(max_tokens):
+    "The issue's example: n=4, a 30-token prompt, 20 blocks of 4. 7 shared prompt blocks + 4 x 3 own = 19 <= 20: admitted and run."
+    sch = make_sched(num_blocks=20, block_size=4)
+    sch.add(Sequence(0, "r", list(range(30)), 30, SamplingParams(n=4, max_tokens=max_tokens)))
+    done, peak = run_all(sch)
+    assert sorted(s.index for s in done) == [0, 1, 2, 3] and all(s.num_output_tokens == max_tokens for s in done)
+    assert peak <= 20 and sch.block_manager.num_free_blocks() == 20 and sch.block_manager.usage() == 0 and not sch.has_unfinished()
+
+def test_n4_truly_too_big_is_refused_naming_num_blocks():
+    sch = make_sched(num_blocks=20, block_size=4)
+    with pytest.raises(ValueError, match=r"num_blocks.*23 KV blocks"):     # 7 shared + 4 x 4 own (max_tokens=12) > 20
+        sch.add(Sequence(0, "r", list(range(30)), 30, SamplingParams(n=4, max_tokens=12)))
+    assert not sch.waiting and sch.stats.rejected == 1
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_preempted_fork_group_recomputes_sharing_its_prompt(caching):
+    "Four forks pushed out by an older request come back sharing the prompt (4 independent copies would need > 20 blocks)."
+    sch = make_sched(num_blocks=20, block_size=4, caching=caching, memory_threshold=1.0)
+    sch.add(Sequence(0, "old", [7] * 8, 8, SamplingParams(max_tokens=40)))
+    sch.add(Sequence(1, "r", list(range(30)), 30, SamplingParams(n=4, max_tokens=10)))
+    done, peak = run_all(sch)
+    forks = [s for s in done if s.request_id == "r"]
+    assert sorted(s.index for s in forks) == [0, 1, 2, 3] and all(s.num_preemptions >= 1 for s in forks)
+    assert peak <= 20 and sch.block_manager.usage() == 0 and not sch._parked and not sch.block_manager.lent
+
+# --- contracts: QueueFullError past max_admitted_seqs ---
+
+def test_queue_full_past_max_admitted_seqs_changes_nothing():
+    from hetero_infer.core import QueueFullError
+    sch = make_sched(max_admitted_seqs=4)
+    sch.add(Sequence(0, "a", [1, 2], 2, SamplingParams(n=3)))          # a request not yet forked counts its n
+    assert sch.num_admitted() == 3
+    with pytest.raises(QueueFullError, match=r"would make 5 admitted sequences, more than max_admitted_seqs=4"):
+        sch.add(Sequence(1, "b", [1, 2], 2, SamplingParams(n=2)))
+    assert [s.request_id for s in sch.waiting] == ["a"] and sch.stats.rejected == 0
+    sch.add(Sequence(2, "c", [1, 2], 2))                                # exactly 4: accepted
+    with pytest.raises(QueueFullError): sch.add(Sequence(3, "d", [1], 1))
+    sch.abort("a")
+    sch.add(Sequence(3, "d", [1], 1)); assert sch.num_admitted() == 2
+    with pytest.raises(ValueError, match="max_admitted_seqs"): sch.add(Sequence(4, "e", [1], 1, SamplingParams(n=5)))
+
+def test_admitted_count_follows_forks_and_finishes():
+    sch = make_sched(max_admitted_seqs=8)
+    p = Sequence(0, "p", [1, 2, 3], 3, SamplingParams(n=3, max_tokens=4))
+    sch.add(p); out = sch.schedule(); sch.update(out)
+    kids = [p.fork(i, i) for i in (1, 2)]
+    for k in kids: sch.fork(p, k)
+    for s in [p] + kids: s.append_token(1)
+    assert sch.num_admitted() == 3
+    sch.finish(kids[0], SequenceStatus.FINISHED_STOPPED)
+    assert sch.num_admitted() == 2
+
+def readmitted_group(caching=False):
+    "A request's two forks waiting together (as after a preemption), then admitted: the sibling parks behind the leader."
+    sch = make_sched(num_blocks=20, block_size=4, caching=caching, memory_threshold=1.0)
+    lead, sib = (Sequence(i, "r", list(range(30)) + [i], 30, SamplingParams(n=2, max_tokens=5), index=i) for i in range(2))
+    sch.add(lead); sch.add(sib)
+    out = sch.schedule()
+    return sch, lead, sib, out
+
+def test_readmitted_sibling_waits_for_its_leader_then_shares_its_prompt():
+    sch, lead, sib, out = readmitted_group()
+    bm = sch.block_manager
+    assert [x.seq for x in out.scheduled] == [lead] and sib.seq_id in sch._parked and sib.status is RUNNING
+    assert sib.block_table[:7] == lead.block_table[:7] and bm.lent[sib.seq_id] == 7
+    assert bm.num_blocks - bm.num_free_blocks() == 8 + 1                    # the leader's 8 blocks + the sibling's own last one
+    sch.update(out)
+    assert not sch._parked and sib.num_computed_tokens == 28 and all(bm.blocks[b].ref_count == 2 for b in lead.block_table[:7])
+    lead.append_token(1)
+    out = sch.schedule()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(lead, 1), (sib, 3)]
+
+def test_readmitted_sibling_joins_at_once_when_the_prompt_is_cached():
+    sch = make_sched(num_blocks=20, block_size=4, memory_threshold=1.0)
+    first = Sequence(9, "warm", list(range(30)), 30); sch.add(first); out = sch.schedule(); sch.update(out)
+    sch.finish(first, SequenceStatus.FINISHED_STOPPED)                     # its 7 full blocks stay cached
+    lead, sib = (Sequence(i, "r", list(range(30)) + [i], 30, SamplingParams(n=2, max_tokens=5), index=i) for i in range(2))
+    sch.add(lead); sch.add(sib)
+    out = sch.schedule()
+    assert not sch._parked and [(x.seq, x.num_tokens) for x in out.scheduled] == [(lead, 3), (sib, 3)]
+
+def test_finishing_a_leader_sends_its_parked_sibling_back_to_wait():
+    sch, lead, sib, out = readmitted_group()
+    sch.finish(lead, SequenceStatus.FINISHED_STOPPED)
+    bm = sch.block_manager
+    assert list(sch.waiting) == [sib] and sib.status is WAITING and not sib.block_table and not sch._parked and not bm.lent
+    assert bm.usage() == 0
+    done, _ = run_all(sch)
+    assert done == [sib] and bm.usage() == 0
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_aborting_a_group_with_a_parked_sibling_frees_everything(caching):
+    sch, lead, sib, out = readmitted_group(caching)
+    sch.abort("r")
+    bm = sch.block_manager
+    assert bm.num_free_blocks() == bm.num_blocks and not bm.lent and not bm.seqs and not sch._parked and not sch.has_unfinished()
