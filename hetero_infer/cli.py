@@ -44,6 +44,7 @@ ENGINE_FLAGS = {
     "enable_chunked_prefill": (["--enable-chunked-prefill"], bool, None, "split long prompts across steps"),
     "max_retry_attempts": (["--max-retry-attempts"], int, None, "retries of a request whose step raised, before it ends with an error"),
     "seed": (["--engine-seed"], int, None, "seed of the engine's default generator"),
+    "tensor_parallel_size": (["--tensor-parallel-size", "-tp"], int, None, "processes one model is split across (tensor parallelism, 13_tensor_parallel)"),
 }
 
 def _default(name: str):

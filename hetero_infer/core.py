@@ -126,6 +126,7 @@ class EngineConfig:
     attention_backend: str = "auto"     # auto: triton on CUDA, torch on CPU
     seed: int = 0                       # seed of the engine's default generator
     max_retry_attempts: int = 2         # retries of a request whose step raised, before it ends with finish_reason "error"
+    tensor_parallel_size: int = 1       # processes (ranks) one model is split across (13_tensor_parallel)
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self):
@@ -146,6 +147,7 @@ class EngineConfig:
         _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", f"must be an integer >= 1, got {self.max_num_seqs!r}")
         _check(self.max_admitted_seqs is None or (_is_int(self.max_admitted_seqs) and self.max_admitted_seqs >= 1), "max_admitted_seqs", f"must be an integer >= 1 or None, got {self.max_admitted_seqs!r}")
         _check(_is_int(self.max_retry_attempts) and self.max_retry_attempts >= 0, "max_retry_attempts", f"must be an integer >= 0, got {self.max_retry_attempts!r}")
+        _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be an integer >= 1, got {self.max_num_batched_tokens!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1), "max_model_len", f"must be an integer >= 1 or None, got {self.max_model_len!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
