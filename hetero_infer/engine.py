@@ -18,13 +18,14 @@ from .core import (EngineConfig, SamplingParams, Sequence, SequenceStatus, Compl
 from .block_manager import BlockManager
 from .scheduler import Scheduler, SchedulerOutput
 from .model import ModelRunner, dtype_name
+from .parallel import make_runner
 from .sampler import Sampler
 from .demo import DEMO_MODEL_DIR
 
 # %% auto #0
 __all__ = ['TOKENIZER_FILES', 'PROMPT_KEYS', 'IncrementalDetokenizer', 'load_tokenizer', 'find_stop_string', 'LLMEngine',
-           'add_request', 'step', 'abort_request', 'has_unfinished_requests', 'get_num_unfinished_requests', 'stats',
-           'EngineStepError', 'as_prompt_list', 'engine_kwargs', 'LLM', 'offline_benchmark']
+           'add_request', 'step', 'abort_request', 'has_unfinished_requests', 'get_num_unfinished_requests', 'close',
+           'stats', 'EngineStepError', 'as_prompt_list', 'engine_kwargs', 'LLM', 'offline_benchmark']
 
 # %% ../nbs/07_engine.ipynb #0cd57833
 class IncrementalDetokenizer:
@@ -97,7 +98,7 @@ class LLMEngine:
         config = dataclasses.replace(config or EngineConfig(), **kwargs)
         if config.model is None: config = dataclasses.replace(config, model=str(DEMO_MODEL_DIR))
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, required=config.tokenizer is not None)
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config)                  # a ModelRunner; rank 0 of a group when tensor_parallel_size > 1
         self.config = config = dataclasses.replace(config, max_model_len=self.runner.max_model_len, num_blocks=self.runner.num_blocks)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -304,6 +305,10 @@ def abort_request(self: LLMEngine, request_id: str | Iterable[str]) -> None:
 def has_unfinished_requests(self: LLMEngine) -> bool: return bool(self.requests) or bool(self._finished_aborts)
 def get_num_unfinished_requests(self: LLMEngine) -> int: return len(self.requests)
 
+def close(self: LLMEngine) -> None:
+    "Stop the runner's worker processes, if it has any (tensor parallelism); the engine cannot step afterwards."
+    if hasattr(self.runner, "close"): self.runner.close()
+
 @property
 def stats(self: LLMEngine) -> dict:
     "Counters since start, plus the current queue lengths and KV-cache usage."
@@ -315,6 +320,7 @@ def stats(self: LLMEngine) -> dict:
 
 LLMEngine._output, LLMEngine.abort_request, LLMEngine.stats = _output, abort_request, stats
 LLMEngine.has_unfinished_requests, LLMEngine.get_num_unfinished_requests = has_unfinished_requests, get_num_unfinished_requests
+LLMEngine.close = close
 
 # %% ../nbs/07_engine.ipynb #4e8a084d
 class EngineStepError(RuntimeError):
@@ -344,6 +350,10 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self): return self.engine.tokenizer
+
+    def close(self):
+        "Stop the engine's worker processes (tensor parallelism, `13_tensor_parallel`); nothing to do for one process."
+        self.engine.close()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

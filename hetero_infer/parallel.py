@@ -114,6 +114,7 @@ def shard_model(c: ModelConfig, plan: ShardPlan) -> LlamaModel:
             layer.mlp.down_proj = RowParallelLinear(lc.intermediate_size, c.hidden_size, c.mlp_bias)
         m.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, c.hidden_size, plan.vocab.start)
         m.lm_head = ParallelLMHead(plan.vocab_per_rank, c.hidden_size, c.vocab_size)
+        if c.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight   # the same rows of the same matrix
     return m
 
 # %% ../nbs/13_tensor_parallel.ipynb #2a92a3e8
@@ -186,7 +187,7 @@ class TensorParallelRunner(ModelRunner):
     "Rank 0's runner: prepares each step, broadcasts it to the other ranks, and runs its own shard beside them."
     def __init__(self, config, model: LlamaModel, workers=()):
         super().__init__(config, model)
-        self.workers, self.closed = list(workers), False
+        self.workers, self.closed, self.broken = list(workers), False, None   # broken: why the group cannot run another step
         self._sync_num_blocks()
 
     def _sync_num_blocks(self):
@@ -196,12 +197,12 @@ class TensorParallelRunner(ModelRunner):
         if int(n) != self.num_blocks: _resize_cache(self, int(n))
 
     def check_workers(self):
-        "Raise, naming the rank, if a worker process this runner started has exited."
-        if self.closed: raise RuntimeError("the tensor-parallel engine was closed (or lost a worker); start a new one")
+        "Raise, naming the rank, if a worker process this runner started has exited (or the group broke earlier)."
+        if self.closed: raise RuntimeError("this tensor-parallel engine was closed; start a new one")
         for rank, p in enumerate(self.workers, start=1):
-            if not p.is_alive():
-                self.closed = True
-                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (exit code {p.exitcode}); the engine cannot continue")
+            if self.broken is None and not p.is_alive():
+                self.broken = f"tensor-parallel worker rank {rank} exited (exit code {p.exitcode}); the engine cannot continue"
+        if self.broken: raise RuntimeError(self.broken)
 
     def execute(self, sched_out) -> torch.Tensor:
         "Broadcast the step's inputs, then run rank 0's shard; logits (N, vocab) float32 of the sequences that sample."
@@ -210,16 +211,19 @@ class TensorParallelRunner(ModelRunner):
         if sched_out.scheduled:
             ids, pos, meta, rows = self.prepare(sched_out)
             inputs = (ids.cpu(), pos.cpu(), _cpu(meta), rows.cpu())
-        step = _broadcast((list(sched_out.block_copies), inputs))
-        out = run_step(self, step)
+        try:
+            out = run_step(self, _broadcast((list(sched_out.block_copies), inputs)))
+        except Exception as e:   # the ranks may now disagree on where they are: no later step can be trusted
+            self.broken = f"a tensor-parallel step failed ({type(e).__name__}: {e}); the engine cannot continue"
+            raise
         return torch.empty(0, self.model.config.vocab_size, device=self.device) if out is None else out
 
     def close(self, timeout: float = 10.0):
         "Tell the workers to stop, wait for them, and leave the process group."
         if self.closed and not self.workers: return
         try:
-            if not self.closed and all(p.is_alive() for p in self.workers): _broadcast(None)
-        except Exception: pass
+            if not self.closed and not self.broken and all(p.is_alive() for p in self.workers): _broadcast(None)
+        except Exception: pass   # a broken group: the workers are killed below
         self.closed = True
         for p in self.workers:
             p.join(timeout)

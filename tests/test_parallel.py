@@ -1,0 +1,91 @@
+"""Tensor parallelism on CPU (gloo, 2 processes on 127.0.0.1): greedy output with tensor_parallel_size=2 equals one process and
+transformers for every family (one replicated KV head, a vocabulary not divisible by 2, tied and untied embeddings), also with
+chunked prefill, prefix caching and preemption; the server answers with 2 ranks and leaves no process behind; a worker that dies
+ends the engine with an error naming it, within the timeout."""
+import os, signal, subprocess, sys, time
+import pytest, torch
+from hetero_infer.core import SamplingParams
+from hetero_infer.engine import LLM, EngineStepError
+from hetero_infer.model import FAMILIES, tiny_hf_checkpoint
+from test_engine import hf_greedy, prompts
+
+# One shape per family that stresses a different part of the split: Llama with an odd vocabulary (padded LM head), Qwen2 with
+# one KV head (replicated on both ranks) and tied embeddings, Qwen3 with q/k norms, Mistral with plain GQA.
+SHAPES = {"llama": dict(vocab_size=257), "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
+          "qwen3": dict(vocab_size=255), "mistral": {}}
+N_NEW = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+CPU = dict(device="cpu", dtype="float32", block_size=16)
+
+def _model(path, family):
+    return tiny_hf_checkpoint(path, family, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None, **SHAPES[family])
+
+def _run(path, ps, **kw):
+    llm = LLM(str(path), **CPU, **kw)
+    try: return [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    finally: llm.close()
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tp2_equals_one_process_and_transformers(family, tmp_path):
+    hf = _model(tmp_path, family)
+    ps = prompts((3, 17, 40, 9), vocab=min(255, hf.config.vocab_size))
+    tp2 = _run(tmp_path, ps, tensor_parallel_size=2)
+    assert tp2 == _run(tmp_path, ps)
+    assert tp2 == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
+
+def test_tp2_with_chunked_prefill_prefix_caching_and_preemption(tmp_path):
+    hf = _model(tmp_path, "llama")
+    shared = prompts((32,), seed=3)[0]
+    ps = [shared + p for p in prompts((5, 9, 13, 2), seed=4)] + prompts((30,), seed=5)
+    kw = dict(max_num_batched_tokens=32, num_blocks=8, max_num_seqs=4, enable_prefix_caching=True)   # tight: forces preemption
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2, **kw)
+    try:
+        outs = llm.generate(ps, GREEDY, use_tqdm=False)
+        stats = llm.engine.stats
+    finally: llm.close()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
+    assert stats["preemptions"] > 0 and stats["prefix_cache"]["cache_hits"] > 0, stats
+
+def test_tp_refuses_a_split_the_model_cannot_take(tmp_path):
+    _model(tmp_path, "llama")     # 4 heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads"): LLM(str(tmp_path), **CPU, tensor_parallel_size=3)
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
+    _model(tmp_path, "llama")
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
+    try:
+        worker = llm.engine.runner.workers[0]
+        os.kill(worker.pid, signal.SIGKILL); worker.join(10)
+        t = time.time()
+        with pytest.raises(EngineStepError) as e: llm.generate(prompts((5,)), GREEDY, use_tqdm=False)
+        assert time.time() - t < 60
+        out = e.value.outputs[0]
+        assert out.outputs[0].finish_reason == "error" and "worker rank 1 exited" in out.error, out
+    finally: llm.close()
+
+def test_serve_with_two_ranks_answers_and_leaves_no_process(tmp_path):
+    import socket
+    from openai import OpenAI
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "hetero-infer"), "serve", "--port", str(port), "--tensor-parallel-size", "2", "--device", "cpu"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30)
+        for _ in range(240):
+            try: client.models.list(); break
+            except Exception: time.sleep(0.5)
+        kids = _children(p.pid)
+        assert kids, "no worker process started"
+        r = client.chat.completions.create(model="hetero-infer", messages=[{"role": "user", "content": "reverse: a b c"}], max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == "c b a"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out[-2000:]
+    time.sleep(1)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and "zombie" not in open(f"/proc/{k}/status").read().lower()], "orphan workers"
