@@ -4,29 +4,39 @@
 
 # %% ../nbs/04_paged_attention_triton.ipynb #b2271b1d
 from __future__ import annotations
+import functools
+from dataclasses import dataclass
 import torch, triton
 import triton.language as tl
 from .attention import AttentionBackend
 
 # %% auto #0
-__all__ = ['LOG2E', 'triton_write_kv', 'num_decode_splits', 'triton_paged_decode_attention', 'triton_paged_prefill_attention',
+__all__ = ['MAX_HEAD_DIM', 'LOG2E', 'block_d', 'triton_write_kv', 'KernelTiles', 'uses_tensor_cores', 'attention_tiles',
+           'num_decode_splits', 'triton_paged_decode_attention', 'triton_paged_prefill_attention',
            'TritonAttentionBackend', 'decode_bytes']
 
 # %% ../nbs/04_paged_attention_triton.ipynb #3cc75f71
+MAX_HEAD_DIM = 256   # the largest head the kernels' register and shared-memory tiles are sized for
+
+def block_d(D: int) -> int:
+    "The kernels' tile width over a head of `D`: the next power of two, at least 16 (`tl.arange` needs a power of two, `tl.dot` 16)."
+    return max(16, triton.next_power_of_2(D))
+
 def _check_head_dim(D: int):
-    "Raise `ValueError` unless `D` is a power of two in [16, 256] (the kernels' `tl.arange` over D needs a power of two)."
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
+    "Raise `ValueError` naming head_dim unless 1 <= D <= 256; any size works, padded to `block_d(D)` with a mask."
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}] for the Triton kernels, got {D}; use attention_backend='torch'")
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v,
-                     HD: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)                       # one program per new token
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, D, stride_kt, stride_kh, stride_vt, stride_vh, stride_slot,
+                     BLOCK_D: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)  # one program per (new token, KV head)
     slot = tl.load(slot_ptr + t)               # int64 cache slot; < 0 means padding
     if slot >= 0:
-        offs = tl.arange(0, BLOCK); mask = offs < HD
-        tl.store(kc_ptr + slot * HD + offs, tl.load(k_ptr + t * stride_k + offs, mask=mask), mask=mask)
-        tl.store(vc_ptr + slot * HD + offs, tl.load(v_ptr + t * stride_v + offs, mask=mask), mask=mask)
+        offs = tl.arange(0, BLOCK_D); mask = offs < D          # a head of D padded to BLOCK_D lanes
+        dst = slot * stride_slot + h * D + offs
+        tl.store(kc_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask), mask=mask)
+        tl.store(vc_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask), mask=mask)
 
 def triton_write_kv(k: torch.Tensor,        # (T, Hkv, D) this step's keys
                     v: torch.Tensor,        # (T, Hkv, D) this step's values
@@ -36,28 +46,57 @@ def triton_write_kv(k: torch.Tensor,        # (T, Hkv, D) this step's keys
     "Store each new token's K/V at its cache slot (block `s // bs`, offset `s % bs`)."
     T, Hkv, D = k.shape
     if T == 0: return
+    _check_head_dim(D)
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV caches must be contiguous"
     assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, f"k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}"
-    k2, v2 = k.reshape(T, Hkv * D), v.reshape(T, Hkv * D)   # views when each token's heads are contiguous
-    if k2.stride(1) != 1: k2 = k2.contiguous()
-    if v2.stride(1) != 1: v2 = v2.contiguous()
-    _write_kv_kernel[(T,)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
-                           HD=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D))
+    if k.stride(2) != 1: k = k.contiguous()
+    if v.stride(2) != 1: v = v.contiguous()
+    _write_kv_kernel[(T, Hkv)](k, v, k_cache, v_cache, slot_mapping, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               Hkv * D, BLOCK_D=block_d(D))
 
 def _check_attention_inputs(q, k_cache, v_cache):
     "Shapes, layout and dtypes both attention kernels need, with errors that say what is wrong."
-    Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    Hq, D, Hkv, bs = q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1]
     _check_head_dim(D)
     if Hq % Hkv: raise ValueError(f"num query heads {Hq} must be a multiple of num KV heads {Hkv}")
+    if bs & (bs - 1): raise ValueError(f"block_size must be a power of two, got {bs}")
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), "q's last dim and the caches must be contiguous"
     assert q.dtype == k_cache.dtype == v_cache.dtype, f"q dtype {q.dtype} differs from the caches' {k_cache.dtype}"
 
 # %% ../nbs/04_paged_attention_triton.ipynb #c25803b5
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
-def _tiles(D: int, elem_size: int) -> tuple[int, int]:
-    "(tile width, pipeline stages): 64-token tiles, halved when a token's row (D * elem_size) is over 256 bytes, so the staged K/V tiles fit in shared memory."
-    return (64, 3) if D * elem_size <= 256 else (32, 2)
+@dataclass(frozen=True)
+class KernelTiles:
+    "Launch shape of one attention kernel: tile sizes, warps and software-pipeline stages."
+    block_m: int      # query rows per program (prefill); decode uses 16 query heads of one KV head
+    block_n: int      # keys per tile
+    num_warps: int
+    num_stages: int
+
+def uses_tensor_cores(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    "Whether Triton lowers the kernels' `tl.dot` to tensor-core MMA: fp16/bf16 on sm_80 and newer. fp32 (`ieee`) and sm_75 use FMA."
+    return dtype != torch.float32 and tuple(capability) >= (8, 0)
+
+def attention_tiles(kind: str,                     # "decode" or "prefill"
+                    head_dim: int,                 # D; tiles are sized by block_d(D)
+                    dtype: torch.dtype,            # the cache dtype
+                    capability: tuple[int, int] = (8, 0)  # compute capability of the GPU
+                    ) -> KernelTiles:
+    "Tiles that compile without register spills and within shared memory on sm_75..sm_90 (proved by the compile check in 04a)."
+    if kind not in ("decode", "prefill"): raise ValueError(f"kind must be 'decode' or 'prefill', got {kind!r}")
+    bd, wide = block_d(head_dim), block_d(head_dim) > 128
+    if uses_tensor_cores(dtype, capability):   # MMA: operands stream through shared memory, accumulators in registers
+        if kind == "decode": return KernelTiles(16, 32 if wide else 64, 4, 2 if wide else 3)
+        return KernelTiles(32 if wide else 64, 64 if bd <= 64 else 32, 4, 2 if wide else 3)
+    # FMA: both dot operands are held in registers, so tiles are smaller
+    if kind == "decode": return KernelTiles(16, 16 if wide else 32, 4, 2)
+    return KernelTiles(16, 16 if wide else 32, 4, 2)
+
+@functools.lru_cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    "Compute capability of a CUDA device; (8, 0) elsewhere (the interpreter runs the sm_80 tiles)."
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (8, 0)
 
 @triton.jit
 def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, IS_FP32: tl.constexpr):
@@ -73,56 +112,60 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, IS_FP32: t
     else: pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "G", "bs_log2", "stride_bt"])   # one binary for every batch shape
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
-                   scale_log2, num_splits, stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
+                   scale_log2, num_splits, G, D, bs_log2, stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
                    stride_kb, stride_kt, stride_kh,
-                   G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
-    s, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # sequence, KV head, context piece
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
+    s, hc, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # sequence, (KV head, chunk of its query heads), piece
+    n_chunks = tl.cdiv(G, BLOCK_G)                         # more than BLOCK_G query heads per KV head: several programs
+    h, c = hc // n_chunks, hc % n_chunks
     seq_len = tl.load(seqlen_ptr + s)
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per piece
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
-    g_mask = offs_g < G                                    # the G query heads that share KV head h
-    q = tl.load(q_ptr + s * stride_qs + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0)           # (BLOCK_G, D)
+    offs_g, offs_d, offs_n = c * BLOCK_G + tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    g_mask, d_mask = offs_g < G, offs_d < D                # real query heads; real channels of a padded head
+    hq = h * G + offs_g                                    # (BLOCK_G,) query heads
+    q = tl.load(q_ptr + s * stride_qs + hq[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)   # (BLOCK_G, BLOCK_D), zero padded
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)    # running max of the scores (log2 units)
     l_i = tl.zeros([BLOCK_G], tl.float32)                  # running softmax denominator
-    acc = tl.zeros([BLOCK_G, D], tl.float32)               # running unnormalised p @ v
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)         # running unnormalised p @ v
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n                                  # (BLOCK_N,) context positions
         n_mask = pos < end
-        blk = tl.load(bt_ptr + s * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        tok = blk * stride_kb + (pos % BLOCK_SIZE) * stride_kt + h * stride_kh               # (BLOCK_N,) offsets
-        k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
-        v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, IS_FP32)  # (BLOCK_G,), (BLOCK_G,), (BLOCK_G, D)
-    hq = h * G + offs_g                                    # (BLOCK_G,) query heads
+        blk = tl.load(bt_ptr + s * stride_bt + (pos >> bs_log2), mask=n_mask, other=0).to(tl.int64)
+        tok = blk * stride_kb + (pos & ((1 << bs_log2) - 1)) * stride_kt + h * stride_kh   # (BLOCK_N,) offsets
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, IS_FP32)
+    out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:   # this piece's partial softmax: max, sum and unnormalised acc, in fp32
-        row = (s * (tl.num_programs(1) * G) + hq) * num_splits + split
+        row = (s * (tl.num_programs(1) // n_chunks) * G + hq) * num_splits + split
         tl.store(pm_ptr + row, m_i, mask=g_mask)
         tl.store(pl_ptr + row, l_i, mask=g_mask)
-        tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=out_mask)
     else:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + s * stride_os + hq[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(out_ptr + s * stride_os + hq[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
-@triton.jit
-def _reduce_splits_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, num_splits, stride_os, stride_oh,
-                          D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_splits_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, num_splits, D, stride_os, stride_oh, BLOCK_D: tl.constexpr):
     s, hq = tl.program_id(0), tl.program_id(1)             # sequence, query head
-    offs_p, offs_d = tl.arange(0, BLOCK_SPLITS), tl.arange(0, D)
-    p_mask = offs_p < num_splits
-    row = (s * tl.num_programs(1) + hq) * num_splits + offs_p                    # (BLOCK_SPLITS,)
-    m = tl.load(pm_ptr + row, mask=p_mask, other=float("-inf"))
-    l = tl.load(pl_ptr + row, mask=p_mask, other=0.0)
-    acc = tl.load(pacc_ptr + row[:, None] * D + offs_d[None, :], mask=p_mask[:, None], other=0.0)  # (BLOCK_SPLITS, D)
-    w = tl.exp2(m - tl.max(m, 0))                          # empty pieces (m = -inf) weigh 0
-    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
-    tl.store(out_ptr + s * stride_os + hq * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    offs_d = tl.arange(0, BLOCK_D); d_mask = offs_d < D
+    row = (s * tl.num_programs(1) + hq) * num_splits       # the first piece; piece 0 always holds the first key
+    m, l = tl.load(pm_ptr + row), tl.load(pl_ptr + row)
+    acc = tl.load(pacc_ptr + row * D + offs_d, mask=d_mask, other=0.0)
+    for i in range(1, num_splits):                         # fold in piece i; empty pieces (m = -inf) weigh 0
+        m_i, l_i = tl.load(pm_ptr + row + i), tl.load(pl_ptr + row + i)
+        acc_i = tl.load(pacc_ptr + (row + i) * D + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, m_i)
+        a, b = tl.exp2(m - m_new), tl.exp2(m_i - m_new)
+        m, l, acc = m_new, l * a + l_i * b, acc * a + acc_i * b
+    tl.store(out_ptr + s * stride_os + hq * stride_oh + offs_d, (acc / l).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 # %% ../nbs/04_paged_attention_triton.ipynb #bc4c72e1
 def num_decode_splits(num_seqs: int,         # S, sequences in the decode batch
@@ -160,29 +203,27 @@ def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one q
         ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
         num_splits = num_decode_splits(S, Hkv, ctx, _num_sms(q.device))
     split = num_splits > 1
-    block_n, stages = _tiles(D, q.element_size())
+    t = attention_tiles("decode", D, q.dtype, _capability(q.device))
     if split:
         pm = torch.empty(S, Hq, num_splits, device=q.device, dtype=torch.float32)     # partial max
         pl = torch.empty_like(pm)                                                     # partial sum
         pacc = torch.empty(S, Hq, num_splits, D, device=q.device, dtype=torch.float32)  # partial acc
     else: pm = pl = pacc = out                                                        # unused
-    _decode_kernel[(S, Hkv, num_splits)](
+    _decode_kernel[(S, Hkv * triton.cdiv(G, t.block_m), num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, pm, pl, pacc,
-        scale * LOG2E, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_SIZE=bs, BLOCK_N=block_n,
-        SPLIT=split, IS_FP32=q.dtype == torch.float32, num_stages=stages)
+        scale * LOG2E, num_splits, G, D, bs.bit_length() - 1, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_G=t.block_m, BLOCK_D=block_d(D), BLOCK_N=t.block_n, SPLIT=split, IS_FP32=q.dtype == torch.float32,
+        num_warps=t.num_warps, num_stages=t.num_stages)
     if split:
-        _reduce_splits_kernel[(S, Hq)](pm, pl, pacc, out, num_splits, out.stride(0), out.stride(1),
-                                       D=D, BLOCK_SPLITS=triton.next_power_of_2(num_splits))
+        _reduce_splits_kernel[(S, Hq)](pm, pl, pacc, out, num_splits, D, out.stride(0), out.stride(1), BLOCK_D=block_d(D))
     return out
 
 # %% ../nbs/04_paged_attention_triton.ipynb #d248be9e
-@triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, scale_log2,
+@triton.jit(do_not_specialize=["G", "bs_log2", "stride_bt"])
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, scale_log2, G, D, bs_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh,
-                    G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):
     s, hq, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # sequence, query head, query tile
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
@@ -190,27 +231,28 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
         seq_len = tl.load(seqlen_ptr + s)
         h = hq // G                                            # the KV head this query head reads
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d, offs_n = tl.arange(0, D), tl.arange(0, BLOCK_N)
-        m_mask = offs_m < q_len
+        offs_d, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+        m_mask, d_mask = offs_m < q_len, offs_d < D
         q_pos = seq_len - q_len + offs_m                       # (BLOCK_M,) positions of the queries
         q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None], other=0.0)           # (BLOCK_M, D)
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)   # (BLOCK_M, BLOCK_D), zero padded
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         end = tl.minimum(seq_len, seq_len - q_len + (mb + 1) * BLOCK_M)   # keys the tile's last query sees
         for n0 in range(0, end, BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < end
-            blk = tl.load(bt_ptr + s * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            tok = blk * stride_kb + (pos % BLOCK_SIZE) * stride_kt + h * stride_kh
-            k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
-            v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # (BLOCK_N, D)
+            blk = tl.load(bt_ptr + s * stride_bt + (pos >> bs_log2), mask=n_mask, other=0).to(tl.int64)
+            tok = blk * stride_kb + (pos & ((1 << bs_log2) - 1)) * stride_kt + h * stride_kh
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])                 # (BLOCK_M, BLOCK_N); key 0 is always visible
             m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, IS_FP32)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 def triton_paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) new tokens, sequence after sequence
                                    k_cache: torch.Tensor,          # (num_blocks, bs, Hkv, D), already holding this step's K
@@ -229,13 +271,13 @@ def triton_paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) 
     S = seq_lens.shape[0]
     if T == 0 or S == 0: return out
     if max_query_len is None: max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    block, stages = _tiles(D, q.element_size())             # queries and keys per tile
-    grid = (S, Hq, triton.cdiv(max_query_len, block))
+    t = attention_tiles("prefill", D, q.dtype, _capability(q.device))
+    grid = (S, Hq, triton.cdiv(max_query_len, t.block_m))
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          G=Hq // Hkv, D=D, BLOCK_SIZE=bs, BLOCK_M=block, BLOCK_N=block,
-                          IS_FP32=q.dtype == torch.float32, num_stages=stages)
+                          Hq // Hkv, D, bs.bit_length() - 1, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=q.dtype == torch.float32,
+                          num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 # %% ../nbs/04_paged_attention_triton.ipynb #ee4519ed
