@@ -214,8 +214,11 @@ class TensorParallelRunner(ModelRunner):
         try:
             out = run_step(self, _broadcast((list(sched_out.block_copies), inputs)))
         except Exception as e:   # the ranks may now disagree on where they are: no later step can be trusted
-            self.broken = f"a tensor-parallel step failed ({type(e).__name__}: {e}); the engine cannot continue"
-            raise
+            for p in self.workers: p.join(1.0)          # a worker that was killed has usually exited by now: name it
+            try: self.check_workers()
+            except RuntimeError: raise
+            self.broken = f"a tensor-parallel step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); the engine cannot continue"
+            raise RuntimeError(self.broken) from e
         return torch.empty(0, self.model.config.vocab_size, device=self.device) if out is None else out
 
     def close(self, timeout: float = 10.0):

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_server.ipynb #305e5b60
 from __future__ import annotations
-import asyncio, hmac, itertools, json, os, re, signal, threading, time, uuid
+import asyncio, hmac, itertools, json, os, re, signal, sys, threading, time, uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,11 +17,11 @@ from . import core
 from .core import EngineConfig, SamplingParams, RequestOutput, CompletionOutput
 
 # %% auto #0
-__all__ = ['PREFIX', 'ServerOverloaded', 'ServerDraining', 'RequestTimeout', 'StepFailed', 'AsyncLLMEngine', 'start',
-           'add_request', 'abort', 'stream', 'generate', 'drain', 'shutdown', 'StreamOptions', 'CompletionRequest',
-           'ChatMessage', 'ChatCompletionRequest', 'APIError', 'error_from', 'sampling_params', 'check_length',
-           'completion_logprobs', 'chat_logprobs', 'merge_streams', 'ServerMetrics', 'Guard', 'completions',
-           'completion_events', 'chat', 'chat_events', 'sse', 'build_app', 'serve', 'serve_in_thread']
+__all__ = ['PREFIX', 'ServerOverloaded', 'ServerDraining', 'RequestTimeout', 'EngineDead', 'StepFailed', 'AsyncLLMEngine',
+           'start', 'add_request', 'abort', 'stream', 'generate', 'drain', 'shutdown', 'StreamOptions',
+           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'APIError', 'error_from', 'sampling_params',
+           'check_length', 'completion_logprobs', 'chat_logprobs', 'merge_streams', 'ServerMetrics', 'Guard',
+           'completions', 'completion_events', 'chat', 'chat_events', 'sse', 'build_app', 'serve', 'serve_in_thread']
 
 # %% ../nbs/09_server.ipynb #c0e1163c
 class ServerOverloaded(RuntimeError):
@@ -32,6 +32,9 @@ class ServerDraining(RuntimeError):
 
 class RequestTimeout(RuntimeError):
     "A request ran past the server's per-request timeout and was aborted (504)."
+
+class EngineDead(RuntimeError):
+    "The engine cannot run another step (a tensor-parallel worker died): every request gets 503 and the server exits non-zero."
 
 class StepFailed(RuntimeError):
     "An engine step raised and the request it touched could not be finished normally (500)."
@@ -55,6 +58,8 @@ class AsyncLLMEngine:
         self._timeline_len, self._last_batched = timeline_len, 0
         self.listeners: list = []                   # callables(RequestOutput) run on the event loop for every output
         self._ids = itertools.count()
+        self.fatal: str | None = None               # why the engine can never step again (its runner broke), else None
+        self.on_fatal = None                        # callable(message) run once on the event loop when `fatal` is set
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
@@ -80,6 +85,7 @@ def _step(self: AsyncLLMEngine) -> tuple[list[RequestOutput], bool]:
     "One engine step on the worker thread; returns its outputs and whether work remains."
     outs = self.engine.step()
     self._record()
+    self.fatal = self.fatal or getattr(self.engine.runner, "broken", None)   # a tensor-parallel group that lost a rank
     return outs, self.engine.has_unfinished_requests()
 
 def _record(self: AsyncLLMEngine) -> None:
@@ -121,6 +127,13 @@ async def _loop(self: AsyncLLMEngine) -> None:
             busy = False
             await self._fail_all(e); continue
         for o in outs: self._dispatch(o)
+        if self.fatal: await self._die(); return
+
+async def _die(self: AsyncLLMEngine) -> None:
+    "The engine broke for good: fail every request we track with `EngineDead` and tell the server (which exits non-zero)."
+    err = EngineDead(f"the engine cannot continue: {self.fatal}")
+    for rid in list(self._queues): self._queues.pop(rid).put_nowait(err)
+    if self.on_fatal is not None: self.on_fatal(self.fatal)
 
 def _dispatch(self: AsyncLLMEngine, out: RequestOutput) -> None:
     "Hand an output to its request's queue (if the client still listens) and to the listeners."
@@ -140,11 +153,13 @@ async def _fail_all(self: AsyncLLMEngine, exc: Exception) -> None:
     for f in self.listeners: f(err)
 
 AsyncLLMEngine.start, AsyncLLMEngine._loop, AsyncLLMEngine._dispatch, AsyncLLMEngine._fail_all = start, _loop, _dispatch, _fail_all
+AsyncLLMEngine._die = _die
 
 # %% ../nbs/09_server.ipynb #0124925b
 async def add_request(self: AsyncLLMEngine, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None) -> str:
     "Admit a request; it joins the running batch at the next step. Raises `ValueError`, `ServerOverloaded`, `QueueFullError`."
+    if self.fatal: raise EngineDead(f"the engine cannot continue: {self.fatal}")
     if self.draining or not self.is_running: raise ServerDraining("the server is shutting down" if self.draining else "the engine loop is not running")
     rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
     if rid in self._queues: raise ValueError(f"request_id {rid!r} is already in use")
@@ -279,6 +294,7 @@ def error_from(exc: BaseException) -> APIError:
     if isinstance(exc, APIError): return exc
     if isinstance(exc, _queue_full_errors()): return APIError(503, str(exc), "server_overloaded", None, "queue_full")
     if isinstance(exc, ServerDraining): return APIError(503, str(exc), "service_unavailable", None, "shutting_down")
+    if isinstance(exc, EngineDead): return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
     if isinstance(exc, RequestTimeout): return APIError(504, str(exc), "timeout", None, "request_timeout")
     if isinstance(exc, ValueError):
         first = str(exc).split(" ", 1)[0].rstrip(":")
@@ -722,8 +738,9 @@ def build_app(engine,                                # an `AsyncLLMEngine`, or a
 
     @app.get("/readyz")
     async def readyz():
-        ok = aeng.is_running and not aeng.draining
-        return JSONResponse({"status": "ready" if ok else ("draining" if aeng.draining else "starting")}, status_code=200 if ok else 503)
+        ok = aeng.is_running and not aeng.draining and not aeng.fatal
+        status = "ready" if ok else "dead" if aeng.fatal else "draining" if aeng.draining else "starting"
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -760,12 +777,17 @@ def serve(config: EngineConfig | None = None,           # engine configuration (
           shutdown_timeout: float = 30.0,              # on SIGTERM: seconds running requests may take before they are aborted
           log_level: str = "info",
           **app_kwargs) -> int:
-    "Load the model, serve the OpenAI API until SIGTERM/SIGINT, drain, and return 0."
+    "Load the model, serve the OpenAI API until SIGTERM/SIGINT, drain, and return 0; 1 when the engine broke for good."
     aeng = AsyncLLMEngine.from_config(config or EngineConfig())
     app = build_app(aeng, served_model_name=served_model_name, api_key=api_key, **app_kwargs)
     server = _uvicorn_server(app, host, port, aeng, shutdown_timeout, log_level)
-    server.run()
+    aeng.on_fatal = lambda why: setattr(server, "should_exit", True)
+    try: server.run()
+    finally: aeng.engine.close()
     if server.started is False: raise OSError(f"could not serve on {host}:{port} (see the log above)")
+    if aeng.fatal:
+        print(f"hetero-infer: error: the engine stopped: {aeng.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):

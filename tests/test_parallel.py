@@ -67,25 +67,47 @@ def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
         assert out.outputs[0].finish_reason == "error" and "worker rank 1 exited" in out.error, out
     finally: llm.close()
 
-def test_serve_with_two_ranks_answers_and_leaves_no_process(tmp_path):
+def _serve_tp2():
+    "Start `hetero-infer serve --tensor-parallel-size 2` on a free port; returns (process, openai client, worker pids)."
     import socket
     from openai import OpenAI
     with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "hetero-infer"), "serve", "--port", str(port), "--tensor-parallel-size", "2", "--device", "cpu"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "hetero-infer"), "serve", "--port", str(port), "--tensor-parallel-size", "2",
+                          "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30, max_retries=0)
+    for _ in range(240):
+        try: client.models.list(); break
+        except Exception:
+            if p.poll() is not None: break
+            time.sleep(0.5)
+    return p, client, _children(p.pid)
+
+def _alive(pids): return [k for k in pids if os.path.exists(f"/proc/{k}") and "zombie" not in open(f"/proc/{k}/status").read().lower()]
+
+def _chat(client):
+    return client.chat.completions.create(model="hetero-infer", messages=[{"role": "user", "content": "reverse: a b c"}], max_tokens=8, temperature=0)
+
+def test_serve_with_two_ranks_answers_and_leaves_no_process():
+    p, client, kids = _serve_tp2()
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30)
-        for _ in range(240):
-            try: client.models.list(); break
-            except Exception: time.sleep(0.5)
-        kids = _children(p.pid)
         assert kids, "no worker process started"
-        r = client.chat.completions.create(model="hetero-infer", messages=[{"role": "user", "content": "reverse: a b c"}], max_tokens=8, temperature=0)
-        assert r.choices[0].message.content == "c b a"
+        assert _chat(client).choices[0].message.content == "c b a"
     finally:
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=60)
     assert p.returncode == 0, out[-2000:]
     time.sleep(1)
-    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and "zombie" not in open(f"/proc/{k}/status").read().lower()], "orphan workers"
+    assert not _alive(kids), "orphan workers"
+
+def test_serve_exits_non_zero_when_a_worker_dies():
+    import openai
+    p, client, kids = _serve_tp2()
+    try:
+        assert _chat(client).choices[0].message.content == "c b a"
+        for k in kids: os.kill(k, signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as e: _chat(client)
+        assert e.value.status_code in (500, 503) and "worker rank 1" in str(e.value.body), e.value.body
+        out, _ = p.communicate(timeout=60)      # the server stops by itself
+    finally:
+        if p.poll() is None: p.kill(); p.communicate()
+    assert p.returncode == 1 and "hetero-infer: error: the engine stopped" in out, out[-2000:]
