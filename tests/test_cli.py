@@ -72,14 +72,30 @@ def test_device_cuda_without_cuda(capsys):
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --device: cuda") and "--device cpu" in err
 
 
-def test_triton_backend_where_it_cannot_run(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton", None)               # as if triton were not installed: `import triton` raises ImportError
-    code, err = run_main(capsys, "generate", "x", "--attention-backend", "triton", "--device", "cpu")
+def run_cli_subprocess(argv, block_triton=False, env=None):
+    "Exit status and stderr of `hetero-infer argv...` in a fresh interpreter (env values of None unset a variable)."
+    code = ("import json, sys\n" + ("sys.modules['triton'] = None   # as if triton were not installed: `import triton` raises ImportError\n" if block_triton else "")
+            + "from hetero_infer.cli import main\nsys.exit(main(json.loads(sys.argv[1])))")
+    env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items() if v is not None}
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, timeout=300, env=env)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.returncode, r.stderr
+
+
+def _triton_modules(): return {k: v for k, v in sys.modules.items() if k == "triton" or k.startswith("triton.")}
+
+
+def test_triton_backend_where_it_cannot_run():
+    """Hiding triton, or importing it without TRITON_INTERPRET, happens in subprocesses: done here it left `triton.*` modules behind
+    that broke later tests (e.g. tests/test_engine.py::test_prompt_longer_than_max_model_len)."""
+    before = _triton_modules()
+    code, err = run_cli_subprocess(["generate", "x", "--attention-backend", "triton", "--device", "cpu"], block_triton=True)
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --attention-backend: triton is not installed") and "--attention-backend torch" in err
     if not torch.cuda.is_available():
-        monkeypatch.delitem(sys.modules, "triton"); monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        code, err = run_main(capsys, "generate", "x", "--attention-backend", "triton")
+        code, err = run_cli_subprocess(["generate", "x", "--attention-backend", "triton"], env={"TRITON_INTERPRET": None})
         assert code == 2 and "needs a CUDA device" in error_line(err)
+    after = _triton_modules()
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
 
 
 def test_argparse_errors_use_our_format(capsys):
