@@ -81,14 +81,24 @@ pytest:
 
 test: setup check-sync check-clean check-readme nbtest pytest
 
-# mutmut 3 (config in setup.cfg), module by module, niced; results accumulate in mutants/ (git-ignored).
+# mutmut 3 (config in setup.cfg), module by module, niced; results accumulate in mutants/ (git-ignored), each run's log
+# in mutants/run-MODULE.log. Fails when mutmut fails. Score per module = killed / mutants checked (killed, survived,
+# timeout, suspicious, segfault); "no tests" (no selected test calls the function) and "not checked" are counted apart.
 MUTATION_MODULES ?= block_manager scheduler sampler engine core
 mutation: setup
-	@for m in $(MUTATION_MODULES); do echo "== mutating hetero_infer.$$m"; \
-	  CI=true OMP_NUM_THREADS=1 $(TEST_ENV) nice -n 19 $(BIN)/mutmut run --max-children 2 "hetero_infer.$$m.*" >/dev/null 2>&1; \
-	  $(BIN)/mutmut results --all true | awk -v m="hetero_infer.$$m." 'index($$1,m)==1 {n++; if ($$2=="killed"||$$2=="timeout") k++} \
-	    END {printf "hetero_infer.%s: %d/%d killed (%.1f%%)\n", substr(m,14,length(m)-14), k, n, n ? 100*k/n : 0}'; done
-	@echo "== surviving mutants (inspect one with: $(BIN)/mutmut show NAME)"; $(BIN)/mutmut results
+	@mkdir -p mutants; for m in $(MUTATION_MODULES); do echo "== mutating hetero_infer.$$m (log: mutants/run-$$m.log)"; \
+	  CI=true OMP_NUM_THREADS=1 $(TEST_ENV) nice -n 19 $(BIN)/mutmut run --max-children 2 "hetero_infer.$$m.*" \
+	    >mutants/run-$$m.log 2>&1 || { tr '\r' '\n' <mutants/run-$$m.log | tail -40; echo "mutmut run failed for $$m"; exit 1; }; \
+	  echo "mutmut's summary (checked/total over all modules  killed no-tests timeout suspicious survived skipped type-check):"; \
+	  tr '\r' '\n' <mutants/run-$$m.log | grep -v '^[[:space:]]*$$' | tail -2; done
+	@$(BIN)/mutmut results --all true >mutants/results.txt || { echo "mutmut results failed"; exit 1; }
+	@for m in $(MUTATION_MODULES); do awk -v m="hetero_infer.$$m." 'index($$1,m)==1 { st=$$0; sub(/^[^:]*: /,"",st); c[st]++ } \
+	  END { chk=c["killed"]+c["survived"]+c["timeout"]+c["suspicious"]+c["segfault"]; \
+	    printf "%s: %d/%d checked mutants killed (%.1f%%)  survived %d  timeout %d  suspicious %d  segfault %d | no tests %d  not checked %d  skipped %d\n", \
+	      substr(m,1,length(m)-1), c["killed"], chk, chk ? 100*c["killed"]/chk : 0, c["survived"], c["timeout"], c["suspicious"], \
+	      c["segfault"], c["no tests"], c["not checked"], c["skipped"] }' mutants/results.txt; done
+	@echo "== mutants not killed in these modules (inspect one with: $(BIN)/mutmut show NAME)"; \
+	  for m in $(MUTATION_MODULES); do grep -F "hetero_infer.$$m." mutants/results.txt | grep -Ev ': (killed|not checked)$$' || true; done
 
 docs-check: setup
 	$(PY) .ci/docs_check.py
