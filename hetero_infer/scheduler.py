@@ -71,40 +71,34 @@ class Scheduler:
     def __repr__(self): return f"Scheduler(waiting={len(self.waiting)}, running={len(self.running)}, kv usage={self.block_manager.usage():.0%})"
     def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
 
-def _method(f):
-    "Attach `_name` to `Scheduler` as method `name` (fastcore's `@patch`, which is not a run-time dependency)."
-    f.__name__ = f.__name__[1:]; f.__qualname__ = f"Scheduler.{f.__name__}"
-    setattr(Scheduler, f.__name__, f); return f
-
 # %% ../nbs/02_scheduler.ipynb #d2b47019
-@_method
 def __max_kv_tokens(self: Scheduler, seq: Sequence) -> int:
     "The most positions whose KV `seq` will ever hold: its tokens now, or prompt + max_tokens - 1 (capped by max_model_len)."
     cap, mt = self.config.max_model_len, seq.params.max_tokens
     final = seq.num_prompt_tokens + mt if mt is not None else (cap or len(seq.token_ids))
     if cap is not None: final = min(final, cap)
     return max(len(seq.token_ids), final - 1)
+Scheduler._max_kv_tokens = __max_kv_tokens
 
-@_method
 def __max_blocks(self: Scheduler, seq: Sequence) -> int:
     "Blocks a request holds at its longest: the prompt's full blocks once (shared by its n forks) plus each fork's own."
     n, bs = max(seq.params.n, 1), self.block_manager.block_size
     per_seq, shared = -(-self._max_kv_tokens(seq) // bs), (seq.num_prompt_tokens // bs if n > 1 else 0)
     return shared + n * (per_seq - shared)
+Scheduler._max_blocks = __max_blocks
 
-@_method
 def _num_admitted(self: Scheduler) -> int:
     "Sequences admitted now (running + waiting); a request not forked yet counts its n completions."
     return len(self.waiting) + len(self.running) + sum(self._forks_due.values())
+Scheduler.num_admitted = _num_admitted
 
-@_method
 def __leave(self: Scheduler, seq: Sequence):
     "Bookkeeping of a sequence leaving for good: its request's seats go when its last sequence goes."
     rid = seq.request_id
     self._members[rid] -= 1
     if not self._members[rid]: del self._members[rid]; self._forks_due.pop(rid, None)
+Scheduler._leave = __leave
 
-@_method
 def _add(self: Scheduler, seq: Sequence):
     "Queue a new sequence behind those of equal or lower `priority` value; refuse at once one that could never fit."
     cfg, bm, rid = self.config, self.block_manager, seq.request_id
@@ -132,9 +126,9 @@ def _add(self: Scheduler, seq: Sequence):
     i = len(w)
     while i and w[i - 1].priority > seq.priority: i -= 1
     w.insert(i, seq)
+Scheduler.add = _add
 
 # %% ../nbs/02_scheduler.ipynb #a2818e1a
-@_method
 def __preempt(self: Scheduler, victim: Sequence, out: SchedulerOutput):
     "Preempt `victim`'s whole request by recompute: free its blocks, forget its KV, put it at the front of the waiting queue."
     rid = victim.request_id
@@ -148,15 +142,15 @@ def __preempt(self: Scheduler, victim: Sequence, out: SchedulerOutput):
     self.waiting.extendleft(reversed(group))
     out.preempted += group
     self.stats.preemptions += len(group)
+Scheduler._preempt = __preempt
 
-@_method
 def __victim(self: Scheduler) -> Sequence | None:
     "The running sequence to preempt: the last in (priority, arrival) order whose request has nothing scheduled this step."
     for s in reversed(self.running):
         if s.request_id not in self._step_reqs: return s
     return None
+Scheduler._victim = __victim
 
-@_method
 def __reserve(self: Scheduler, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
     "Get cache slots for `n` tokens of running `seq` into `out`, preempting others (or `seq` itself) while blocks are short."
     while True:
@@ -170,9 +164,9 @@ def __reserve(self: Scheduler, seq: Sequence, n: int, out: SchedulerOutput) -> b
     if copies: out.block_copies += copies
     self._step_reqs.add(seq.request_id)
     return True
+Scheduler._reserve = __reserve
 
 # %% ../nbs/02_scheduler.ipynb #1bf53508
-@_method
 def __schedule_decodes_at_once(self: Scheduler, out: SchedulerOutput, budget: int) -> int | None:
     "Fast path: one `append_decode_slots` call reserves a slot for every running decode; returns how many, or None (nothing done) when they do not all fit."
     room = min(budget, self.config.max_num_seqs - len(out.scheduled))
@@ -184,8 +178,8 @@ def __schedule_decodes_at_once(self: Scheduler, out: SchedulerOutput, budget: in
     out.block_copies += copies
     self._step_reqs.update(s.request_id for s in seqs)
     return len(seqs)
+Scheduler._schedule_decodes_at_once = __schedule_decodes_at_once
 
-@_method
 def __schedule_running(self: Scheduler, out: SchedulerOutput, budget: int, decodes: bool) -> int:
     "Schedule running sequences that decode (`decodes`) or continue a prefill; returns the token budget left."
     chunked, max_seqs = self.config.enable_chunked_prefill, self.config.max_num_seqs
@@ -199,8 +193,8 @@ def __schedule_running(self: Scheduler, out: SchedulerOutput, budget: int, decod
         if n < left and not chunked: continue
         if self._reserve(seq, n, out): budget -= n
     return budget
+Scheduler._schedule_running = __schedule_running
 
-@_method
 def __head_group(self: Scheduler) -> list[Sequence]:
     "The waiting sequences of the first request in line (forks of one request wait side by side)."
     w = self.waiting
@@ -209,16 +203,16 @@ def __head_group(self: Scheduler) -> list[Sequence]:
         if w[i].request_id != rid: break
         group.append(w[i])
     return group
+Scheduler._head_group = __head_group
 
-@_method
 def __common_blocks(self: Scheduler, leader: Sequence, seq: Sequence) -> int:
     "Leading full blocks `seq` can share with `leader` (equal tokens; never `seq`'s block holding its last token)."
     bs, a, b = self.block_manager.block_size, leader.token_ids, seq.token_ids
     m, k = min(len(a) // bs, (len(b) - 1) // bs), 0
     while k < m and a[k * bs:(k + 1) * bs] == b[k * bs:(k + 1) * bs]: k += 1
     return k
+Scheduler._common_blocks = __common_blocks
 
-@_method
 def __admit(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
     "Move requests from the front of the waiting queue to running while seats, tokens, blocks and the memory threshold allow."
     cfg, bm = self.config, self.block_manager
@@ -251,8 +245,8 @@ def __admit(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
         self.running[i:i] = group
         self.stats.admitted += len(group)
     return budget
+Scheduler._admit = __admit
 
-@_method
 def _schedule(self: Scheduler) -> SchedulerOutput:
     "Build one step: running decodes, then running prefill chunks, then new prefills from the waiting queue."
     out, self._step_reqs = SchedulerOutput(), set()
@@ -270,9 +264,9 @@ def _schedule(self: Scheduler) -> SchedulerOutput:
     st.steps += bool(sched)
     self._last_out = out
     return out
+Scheduler.schedule = _schedule
 
 # %% ../nbs/02_scheduler.ipynb #ac8d804d
-@_method
 def _update(self: Scheduler, out: SchedulerOutput):
     "After the forward pass succeeded: commit every scheduled chunk (advance `num_computed_tokens`, publish full blocks)."
     if out is not self._last_out: raise ValueError("update(out) takes the output of the latest schedule() call, once")
@@ -281,16 +275,16 @@ def _update(self: Scheduler, out: SchedulerOutput):
     for x in out.scheduled[nd:]:
         if x.seq.status is _RUNNING: bm.commit(x.seq, x.num_tokens)
     if self._parked: self._join_parked()
+Scheduler.update = _update
 
-@_method
 def __join_parked(self: Scheduler):
     "Parked siblings whose leader has now computed their common blocks share them and start computing."
     bm = self.block_manager
     for sid, (s, leader) in list(self._parked.items()):
         if leader.num_computed_tokens >= bm.lent[sid] * bm.block_size: bm.join_sibling(s); del self._parked[sid]
+Scheduler._join_parked = __join_parked
 
 # %% ../nbs/02_scheduler.ipynb #f4d4eb1b
-@_method
 def _finish(self: Scheduler, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED):
     "Take a finished sequence out of the batch at once and free its blocks."
     if not status.finished: raise ValueError(f"status must be a finished status, got {status}")
@@ -302,8 +296,8 @@ def _finish(self: Scheduler, seq: Sequence, status: SequenceStatus = SequenceSta
     if self._parked: self._unpark(seq)
     if status is SequenceStatus.FINISHED_ABORTED: self.stats.aborted += 1
     else: self.stats.finished += 1
+Scheduler.finish = _finish
 
-@_method
 def __unpark(self: Scheduler, seq: Sequence):
     "`seq` left: forget it if parked; siblings parked behind it (it never computed their blocks) go back to waiting, to be recomputed."
     self._parked.pop(seq.seq_id, None)
@@ -313,8 +307,8 @@ def __unpark(self: Scheduler, seq: Sequence):
         self.running.remove(s); self.block_manager.free(s)
         s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
     self.waiting.extendleft(reversed(orphans))
+Scheduler._unpark = __unpark
 
-@_method
 def _abort(self: Scheduler, request_id: str) -> list[Sequence]:
     "Drop every sequence of `request_id`, waiting or running, freeing its blocks at once; returns them."
     gone = [s for s in self.running if s.request_id == request_id] + [s for s in self.waiting if s.request_id == request_id]
@@ -328,9 +322,9 @@ def _abort(self: Scheduler, request_id: str) -> list[Sequence]:
         if self._parked: self._parked.pop(s.seq_id, None)
     self.stats.aborted += len(gone)
     return gone
+Scheduler.abort = _abort
 
 # %% ../nbs/02_scheduler.ipynb #e984d0ea
-@_method
 def _fork(self: Scheduler, parent: Sequence, child: Sequence):
     "`child` (from `parent.fork`) shares the parent's blocks and joins its queue right behind the parent's request."
     q = self.running if parent.status is _RUNNING else self.waiting
@@ -343,3 +337,4 @@ def _fork(self: Scheduler, parent: Sequence, child: Sequence):
     rid = parent.request_id
     self._members[rid] += 1
     if self._forks_due.get(rid): self._forks_due[rid] -= 1
+Scheduler.fork = _fork
