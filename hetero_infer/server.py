@@ -261,7 +261,7 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     "The body of `POST /v1/completions` (OpenAI's fields plus vLLM's sampling extras)."
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = 16
+    max_tokens: Optional[StrictInt] = None   # None: the server's default (`serve --max-tokens`), else OpenAI's 16
     logprobs: Optional[StrictInt] = None
     echo: bool = False
 
@@ -288,6 +288,9 @@ class APIError(Exception):
     def body(self) -> dict: return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 _FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "max_completion_tokens", "top_logprobs", "echo"}
+# an engine limit the scheduler names when it refuses a request -> the request field that asked for too much
+_LIMIT_PARAMS = {"max_num_seqs": "n", "max_admitted_seqs": "n", "num_blocks": "max_tokens", "max_model_len": "prompt", "max_num_batched_tokens": "prompt"}
+_REQUEST_ID = re.compile(r"\brequest '[^']*' ")
 
 def error_from(exc: BaseException) -> APIError:
     "The `APIError` for an exception raised while serving a request (the field named by a `ValueError` becomes `param`)."
@@ -297,8 +300,11 @@ def error_from(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDead): return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
     if isinstance(exc, RequestTimeout): return APIError(504, str(exc), "timeout", None, "request_timeout")
     if isinstance(exc, ValueError):
-        first = str(exc).split(" ", 1)[0].rstrip(":")
-        return APIError(400, str(exc), "invalid_request_error", first if first in _FIELDS else None)
+        msg = str(exc); first = msg.split(" ", 1)[0].rstrip(":")
+        if first in _LIMIT_PARAMS and msg.startswith(first + ": "):   # the scheduler's refusal: "<limit>: request '<id>' asks for ..."
+            param = _LIMIT_PARAMS[first]
+            return APIError(400, f"{param}: " + _REQUEST_ID.sub("the request ", msg[len(first) + 2:]), "invalid_request_error", param)
+        return APIError(400, msg, "invalid_request_error", first if first in _FIELDS else None)
     return APIError(500, f"{type(exc).__name__}: {exc}", "internal_error", None, "internal_error")
 
 # %% ../nbs/09_server.ipynb #658bdbce

@@ -246,6 +246,36 @@ def test_error_rows(server):
     assert_error(httpx.get(server.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
 
 
+def test_n_past_max_num_seqs_names_n_without_internal_ids(server):
+    "n beyond the sequences the engine runs at once is the request's fault: 400 naming `n`, in words a client can use (no internal request id)."
+    p = "<|bos|><|user|>reverse: a b<|eos|><|assistant|>"
+    for path, body in (("/v1/completions", {"prompt": p}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "reverse: a b"}]})):
+        err = assert_error(post(server, path, {**body, "n": 1000}), 400, "n", "n=1000")
+        assert err["message"].startswith("n: ") and not re.search(r"req-|'", err["message"]), err
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from hetero_infer.engine import LLM
+    return LLM().engine
+
+
+def test_completions_without_max_tokens_use_the_servers_default(demo_engine):
+    "`serve --max-tokens N` applies to completions that leave max_tokens out; without it they get OpenAI's 16; a request's own value wins."
+    from fastapi.testclient import TestClient
+    from hetero_infer.cli import build_parser, serve_options
+    from hetero_infer.server import build_app
+    body = {"prompt": "<|bos|><|user|>reverse: a b c<|eos|><|assistant|>", "temperature": 0, "ignore_eos": True}
+    defaults = serve_options(build_parser().parse_args(["serve", "--max-tokens", "5"]))["default_sampling"]
+    with TestClient(build_app(demo_engine, default_sampling=defaults)) as c:
+        assert c.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 5
+        assert c.post("/v1/completions", json={**body, "max_tokens": 7}).json()["usage"]["completion_tokens"] == 7
+        assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "reverse: a b c"}], "temperature": 0,
+                                                     "ignore_eos": True}).json()["usage"]["completion_tokens"] == 5
+    with TestClient(build_app(demo_engine)) as c:
+        assert c.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
+
+
 def test_errors_surface_in_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e: client.completions.create(model="hetero-infer", prompt="x", temperature=-2)
     assert e.value.body["param"] == "temperature"
