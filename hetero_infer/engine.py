@@ -109,6 +109,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.counters = Counter()
         self.last_error: BaseException | None = None   # the latest exception a step raised (and recovered from)
+        self.stream_outputs = True                      # False: step() returns only finished requests' outputs
 
     def _eos_ids(self) -> set[int]:
         "End-of-sequence ids: the union of generation_config.json's, config.json's and the tokenizer's (as vLLM stops)."
@@ -194,7 +195,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         touched[req.request_id] = req
     self.counters["steps"] += 1; self.counters["generation_tokens"] += len(seqs)
     self.counters["batched_tokens"] += sched.num_batched_tokens
-    return outputs + [self._output(r) for r in touched.values()]
+    return outputs + [self._output(r) for r in touched.values() if self.stream_outputs or r.finished]
 
 def _plan_forks(self: LLMEngine, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
     "Rows of the logits to sample and the sequences they are for, with n - 1 new children of n > 1 requests at their first token."
@@ -388,14 +389,17 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done, t0, n_in, n_out = {}, time.perf_counter(), 0, 0
-        with tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for o in self.engine.step():
-                    if not o.finished: continue
-                    done[o.request_id] = o; bar.update(1)
-                    n_in += len(o.prompt_token_ids); n_out += sum(len(c.token_ids) for c in o.outputs)
-                    dt = time.perf_counter() - t0
-                    bar.set_postfix_str(f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s")
+        self.engine.stream_outputs = False          # nobody reads partial outputs here: build only the finished ones
+        try:
+            with tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for o in self.engine.step():
+                        if not o.finished: continue
+                        done[o.request_id] = o; bar.update(1)
+                        n_in += len(o.prompt_token_ids); n_out += sum(len(c.token_ids) for c in o.outputs)
+                        dt = time.perf_counter() - t0
+                        bar.set_postfix_str(f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s")
+        finally: self.engine.stream_outputs = True
         return [done[i] for i in ids]
 
 # %% ../nbs/07_engine.ipynb #80d517cc

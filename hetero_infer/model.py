@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_model.ipynb #a2f5e9fe
 from __future__ import annotations
-import contextlib, json, math, re
+import contextlib, json, math, os, re
 from dataclasses import dataclass
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -16,7 +16,7 @@ __all__ = ['FAMILIES', 'SUPPORTED_ARCHITECTURES', 'ROPE_TYPES', 'ACTIVATIONS', '
            'tiny_hf_checkpoint', 'ModelConfig', 'layer_windows', 'parse_config', 'RMSNorm', 'rope_cos_sin',
            'rotate_half', 'apply_rope', 'rope_inv_freq', 'MLP', 'Attention', 'DecoderLayer', 'LlamaModel', 'hf_names',
            'checkpoint_files', 'dtype_name', 'load_model', 'resolve_device', 'resolve_dtype', 'kv_block_bytes',
-           'ModelRunner']
+           'cpu_threads', 'set_cpu_threads', 'ModelRunner']
 
 # %% ../nbs/05_model.ipynb #c9dacdb1
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -347,6 +347,26 @@ def kv_block_bytes(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     "Bytes one KV block takes over all layers, K and V."
     return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
 
+# %% ../nbs/05_model.ipynb #0f8d59fd
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()   # the count torch chose at start-up
+_threads_decided = False
+
+def cpu_threads(cores: int | None = None,   # CPUs this process may run on; None: its affinity mask
+                load: float | None = None   # the machine's 1-minute load average; None: os.getloadavg()
+               ) -> int:
+    "Intra-op threads for a CPU engine: the cores other work leaves idle, at least 1 and at most torch's default."
+    if cores is None: cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if load is None: load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(_TORCH_DEFAULT_THREADS, cores - int(load)))
+
+def set_cpu_threads() -> int:
+    "Apply `cpu_threads()` once per process unless the user chose a count; returns the intra-op threads in use."
+    global _threads_decided
+    if not _threads_decided and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() == _TORCH_DEFAULT_THREADS:
+        torch.set_num_threads(cpu_threads())
+    _threads_decided = True
+    return torch.get_num_threads()
+
 # %% ../nbs/05_model.ipynb #0dd51dcc
 class ModelRunner:
     "Owns the model and its paged KV cache; turns a `SchedulerOutput` into one forward pass and the logits to sample."
@@ -364,6 +384,7 @@ class ModelRunner:
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.model.backend = get_attention_backend(config.attention_backend, self.device)
         self._check_windows()
+        self.threads = set_cpu_threads() if self.device.type == "cpu" else None   # intra-op threads on CPU
         self.block_size = config.block_size
         self.max_model_len = self._max_model_len()
         self.num_blocks = config.num_blocks or self._num_blocks()
@@ -373,7 +394,8 @@ class ModelRunner:
 
     def __repr__(self):
         return (f"ModelRunner({self.model.config.architecture}, {self.device}, {self.dtype}, backend={self.model.backend.name}, "
-                f"num_blocks={self.num_blocks} x {self.block_size} tokens, max_model_len={self.max_model_len})")
+                f"num_blocks={self.num_blocks} x {self.block_size} tokens, max_model_len={self.max_model_len}"
+                + (f", threads={self.threads})" if self.threads else ")"))
 
     def _check_windows(self):
         "Refuse a sliding-window model on a backend whose `forward` takes no `window`."
