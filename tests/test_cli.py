@@ -72,12 +72,12 @@ def test_device_cuda_without_cuda(capsys):
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --device: cuda") and "--device cpu" in err
 
 
-def run_cli_subprocess(argv, block_triton=False, env=None):
+def run_cli_subprocess(argv, block_triton=False, env=None, timeout=300):
     "Exit status and stderr of `hetero-infer argv...` in a fresh interpreter (env values of None unset a variable)."
     code = ("import json, sys\n" + ("sys.modules['triton'] = None   # as if triton were not installed: `import triton` raises ImportError\n" if block_triton else "")
             + "from hetero_infer.cli import main\nsys.exit(main(json.loads(sys.argv[1])))")
     env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items() if v is not None}
-    r = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, timeout=timeout, env=env)
     assert "Traceback" not in r.stderr, r.stderr
     return r.returncode, r.stderr
 
@@ -96,6 +96,27 @@ def test_triton_backend_where_it_cannot_run():
         assert code == 2 and "needs a CUDA device" in error_line(err)
     after = _triton_modules()
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+
+def test_a_bad_value_from_the_config_names_the_config(capsys, tmp_path):
+    """The seed's config (max_model_len 2048) on the demo model (64 positions): the error names --config and the key, not a flag the user never
+    gave; the same value as a flag names the flag; the flag overrides the file."""
+    cfg = tmp_path / "config.json"; cfg.write_text(json.dumps(SEED_CONFIG))
+    code, err = run_main(capsys, "generate", "x", "--config", str(cfg))
+    line = error_line(err)
+    assert code == 2 and line.startswith(f"hetero-infer: error: --config: {cfg} sets 'max_model_len'") and "limit of 64" in line, line
+    code, err = run_main(capsys, "generate", "x", "--max-model-len", "2048")
+    assert code == 2 and error_line(err).startswith("hetero-infer: error: --max-model-len: max_model_len (2048)")
+    assert main(["generate", "--chat", "reverse: a b c", "--config", str(cfg), "--max-model-len", "64", "--max-tokens", "8"]) == 0
+    assert "'reverse: a b c' -> 'c b a'" in capsys.readouterr().out
+
+
+def test_serve_with_the_seed_config_names_the_config(tmp_path):
+    "The seed's own command, `hetero-infer --serve --config config.json`, on the demo model: exit 2 naming --config and the key."
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    cfg = tmp_path / "config.json"; cfg.write_text(json.dumps(dict(SEED_CONFIG, serving=dict(SEED_CONFIG["serving"], port=port))))
+    code, err = run_cli_subprocess(["--serve", "--config", str(cfg)], timeout=120)
+    assert code == 2 and error_line(err).startswith(f"hetero-infer: error: --config: {cfg} sets 'max_model_len'"), err
 
 
 def test_argparse_errors_use_our_format(capsys):
