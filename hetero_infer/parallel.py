@@ -4,7 +4,7 @@
 
 # %% ../nbs/13_tensor_parallel.ipynb #f42ff3ec
 from __future__ import annotations
-import atexit, dataclasses, datetime, json, os, socket, weakref
+import atexit, dataclasses, datetime, json, os, socket, time
 from dataclasses import dataclass
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -13,10 +13,10 @@ from safetensors import safe_open
 from .model import LlamaModel, ModelConfig, ModelRunner, parse_config, hf_names, checkpoint_files, resolve_device, resolve_dtype
 
 # %% auto #0
-__all__ = ['COMM_BYTES', 'COLLECTIVE_TIMEOUT_S', 'ShardPlan', 'shard_plan', 'all_reduce', 'all_gather_last', 'RowParallelLinear',
-           'VocabParallelEmbedding', 'ParallelLMHead', 'local_config', 'shard_model', 'shard_of', 'load_shard',
-           'run_step', 'TensorParallelRunner', 'rank_runner', 'worker_loop', 'init_group', 'start_workers',
-           'make_runner']
+__all__ = ['COMM_BYTES', 'COMM_SECONDS', 'COLLECTIVE_TIMEOUT_S', 'ShardPlan', 'shard_plan', 'all_reduce', 'all_gather_last',
+           'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'local_config', 'shard_model', 'shard_of',
+           'load_shard', 'run_step', 'TensorParallelRunner', 'rank_runner', 'worker_loop', 'init_group',
+           'start_workers', 'make_runner']
 
 # %% ../nbs/13_tensor_parallel.ipynb #1fe0e6ac
 @dataclass
@@ -48,23 +48,26 @@ def shard_plan(c: ModelConfig, rank: int, world_size: int) -> ShardPlan:
                      range(rank * per, (rank + 1) * per), per)
 
 # %% ../nbs/13_tensor_parallel.ipynb #410e4f78
-COMM_BYTES = {"all_reduce": 0, "all_gather": 0, "broadcast": 0}   # bytes this process passed to each collective
+COMM_BYTES = {"all_reduce": 0, "all_gather": 0}     # bytes this process passed to each collective
+COMM_SECONDS = {"all_reduce": 0.0, "all_gather": 0.0} # seconds this process spent in each (waiting for slower ranks included)
 
 def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     "Sum `x` over the ranks, in place (the identity with one rank)."
     if _world() > 1:
-        COMM_BYTES["all_reduce"] += x.numel() * x.element_size()
+        t = time.perf_counter()
         dist.all_reduce(x)
+        COMM_BYTES["all_reduce"] += x.numel() * x.element_size(); COMM_SECONDS["all_reduce"] += time.perf_counter() - t
     return x
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     "Concatenate every rank's `x` along the last dimension, in rank order."
     if _world() == 1: return x
-    COMM_BYTES["all_gather"] += x.numel() * x.element_size()
+    t = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(_world())]
     dist.all_gather(parts, x.contiguous())
+    COMM_BYTES["all_gather"] += x.numel() * x.element_size(); COMM_SECONDS["all_gather"] += time.perf_counter() - t
     return torch.cat(parts, dim=-1)
 
 class RowParallelLinear(nn.Module):
@@ -195,6 +198,8 @@ class TensorParallelRunner(ModelRunner):
         n = torch.tensor([self.num_blocks])
         dist.all_reduce(n, op=dist.ReduceOp.MIN)
         if int(n) != self.num_blocks: _resize_cache(self, int(n))
+
+    def __repr__(self): return f"TensorParallelRunner(rank 0 of {_world()}: " + super().__repr__().removeprefix("ModelRunner(")
 
     def check_workers(self):
         "Raise, naming the rank, if a worker process this runner started has exited (or the group broke earlier)."

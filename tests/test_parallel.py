@@ -111,3 +111,27 @@ def test_serve_exits_non_zero_when_a_worker_dies():
     finally:
         if p.poll() is None: p.kill(); p.communicate()
     assert p.returncode == 1 and "hetero-infer: error: the engine stopped" in out, out[-2000:]
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from hetero_infer import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)   # ranks > 0 serve the loop inside this call
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+llm.close()
+"""
+
+def test_under_torchrun_the_ranks_come_from_the_environment(tmp_path):
+    import json, socket
+    _model(tmp_path / "m", "llama")
+    (tmp_path / "run.py").write_text(TORCHRUN_SCRIPT)
+    ps = prompts((4, 11))
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), str(tmp_path / "run.py"),
+                        str(tmp_path / "m"), json.dumps(ps)], capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [l for l in r.stdout.splitlines() if l.startswith("TOKENS")]
+    assert len(lines) == 1, r.stdout          # only rank 0 returns from LLM(...)
+    single = LLM(str(tmp_path / "m"), **CPU).generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert json.loads(lines[0][len("TOKENS "):]) == [o.outputs[0].token_ids for o in single]
