@@ -37,7 +37,7 @@ def _split(n: int, rank: int, world: int) -> range:
 def shard_plan(c: ModelConfig, rank: int, world_size: int) -> ShardPlan:
     "What rank `rank` of `world_size` holds; raises naming tensor_parallel_size when the model cannot be split that way."
     def need(ok, what):
-        if not ok: raise ValueError(f"tensor_parallel_size={world_size} must divide {what}")
+        if not ok: raise ValueError(f"tensor_parallel_size ({world_size}) must divide {what}")
     need(c.num_heads % world_size == 0, f"num_attention_heads ({c.num_heads})")
     need(c.num_kv_heads % world_size == 0 or world_size % c.num_kv_heads == 0, f"num_key_value_heads ({c.num_kv_heads}) or be a multiple of it")
     need(c.intermediate_size % world_size == 0, f"intermediate_size ({c.intermediate_size})")
@@ -295,6 +295,7 @@ def _under_torchrun() -> bool: return "RANK" in os.environ and "WORLD_SIZE" in o
 def start_workers(config, world_size: int) -> TensorParallelRunner:
     "Spawn ranks 1..world_size-1 on this machine, join them as rank 0, and return rank 0's runner."
     import torch.multiprocessing as mp
+    shard_plan(parse_config(json.loads((Path(config.model) / "config.json").read_text())), 0, world_size)   # refuse before spawning
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     threads = max(1, torch.get_num_threads() // world_size) if resolve_device(config.device) == "cpu" else None
@@ -318,7 +319,7 @@ def make_runner(config) -> ModelRunner:
     world = config.tensor_parallel_size
     if _under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ValueError(f"tensor_parallel_size={world} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes")
+            raise ValueError(f"tensor_parallel_size ({world}) differs from the WORLD_SIZE={os.environ['WORLD_SIZE']} processes torchrun started")
         rank = int(os.environ["RANK"])
         init_group(rank, world, "env://", _rank_device(config, rank))
         runner = rank_runner(config, rank, world)

@@ -48,7 +48,7 @@ def test_tp2_with_chunked_prefill_prefix_caching_and_preemption(tmp_path):
 
 def test_tp_refuses_a_split_the_model_cannot_take(tmp_path):
     _model(tmp_path, "llama")     # 4 heads
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads"): LLM(str(tmp_path), **CPU, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads"): LLM(str(tmp_path), **CPU, tensor_parallel_size=3)
 
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
@@ -135,3 +135,9 @@ def test_under_torchrun_the_ranks_come_from_the_environment(tmp_path):
     assert len(lines) == 1, r.stdout          # only rank 0 returns from LLM(...)
     single = LLM(str(tmp_path / "m"), **CPU).generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert json.loads(lines[0][len("TOKENS "):]) == [o.outputs[0].token_ids for o in single]
+
+def test_cli_refuses_an_impossible_split_naming_the_flag():
+    exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
+    r = subprocess.run([exe, "generate", "--tensor-parallel-size", "3", "x"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().endswith("hetero-infer: error: --tensor-parallel-size: tensor_parallel_size (3) must divide num_attention_heads (4)"), r.stderr
+    assert "Traceback" not in r.stderr
