@@ -15,13 +15,14 @@ from .core import SamplingParams
 
 # %% auto #0
 __all__ = ['DEFAULT_WORKLOAD', 'CPU_WORKLOAD', 'DUMMY_CONFIGS', 'PEERS', 'PHASES', 'Timing', 'percentile', 'measure',
-           'machine_info', 'machine_label', 'Workload', 'random_workload', 'fit_workload', 'dummy_checkpoint',
-           'run_ours', 'run_hf_static', 'hf_cb_config', 'hf_cb_manager', 'run_hf_cb', 'offline_bench', 'format_offline',
-           'RequestRecord', 'poisson_arrivals', 'latency_stats', 'serve_metrics', 'run_load', 'serving', 'served_model',
-           'serve_bench', 'format_serve', 'plot_rate_sweep', 'StepRecord', 'Trace', 'trace_engine', 'bench_engine',
-           'make_requests', 'copy_bandwidth', 'matmul_flops', 'weight_bytes', 'kv_bytes_per_token', 'decode_floor',
-           'prefill_flops', 'decode_batch', 'drain', 'decode_step_time', 'prefill_time', 'profile_phases',
-           'step_breakdown', 'add_bench_arguments', 'bench_command', 'main']
+           'measure_interleaved', 'machine_info', 'machine_label', 'Workload', 'random_workload', 'fit_workload',
+           'dummy_checkpoint', 'ours_job', 'run_ours', 'hf_static_job', 'run_hf_static', 'hf_cb_config',
+           'hf_cb_manager', 'hf_cb_job', 'run_hf_cb', 'offline_bench', 'format_offline', 'RequestRecord',
+           'poisson_arrivals', 'latency_stats', 'serve_metrics', 'run_load', 'serving', 'served_model', 'serve_bench',
+           'format_serve', 'plot_rate_sweep', 'StepRecord', 'Trace', 'trace_engine', 'bench_engine', 'make_requests',
+           'copy_bandwidth', 'matmul_flops', 'weight_bytes', 'kv_bytes_per_token', 'decode_floor', 'prefill_flops',
+           'decode_batch', 'drain', 'decode_step_time', 'prefill_time', 'profile_phases', 'step_breakdown',
+           'add_bench_arguments', 'bench_command', 'main']
 
 # %% ../nbs/11_benchmarks.ipynb #24c28509
 @dataclass
@@ -65,6 +66,24 @@ def measure(fn,                 # the work to time: called with no arguments
         if sync: sync()
         times.append(time.perf_counter() - t)
     return Timing(times)
+
+# %% ../nbs/11_benchmarks.ipynb #131e0ceb
+def measure_interleaved(fns: dict,        # name -> the work to time, called with no arguments
+                        repeats: int = 3, # timed calls of each
+                        warmup: int = 1,  # untimed calls of each first
+                        sync=None) -> dict:
+    "`measure` for several systems at once: each warmed up, then timed in turns; name -> `Timing`."
+    if repeats < 1 or warmup < 0: raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for fn in fns.values():
+        for _ in range(warmup): fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            if sync: sync()
+            t = time.perf_counter(); fn()
+            if sync: sync()
+            times[k].append(time.perf_counter() - t)
+    return {k: Timing(v) for k, v in times.items()}
 
 # %% ../nbs/11_benchmarks.ipynb #2df34121
 def _cpu_model() -> str:
@@ -236,14 +255,18 @@ def dummy_checkpoint(config: str | dict,          # a DUMMY_CONFIGS name or a HF
     return path
 
 # %% ../nbs/11_benchmarks.ipynb #a8eda64a
-def run_ours(llm, wl: Workload, repeats: int = 3, warmup: int = 1) -> Timing:
-    "Time `llm.generate` over the workload; checks every request generated exactly its output length."
+def ours_job(llm, wl: Workload):
+    "One run of `llm.generate` over the workload (a function to time); it checks every request generated exactly its output length."
     params = wl.params()
     def run():
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
         got = [len(o.outputs[0].token_ids) for o in outs]
         if got != wl.output_lens: raise RuntimeError("ours: output lengths differ from the workload's")
-    return measure(run, repeats, warmup)
+    return run
+
+def run_ours(llm, wl: Workload, repeats: int = 3, warmup: int = 1) -> Timing:
+    "Time `llm.generate` over the workload."
+    return measure(ours_job(llm, wl), repeats, warmup)
 
 def _hf_model(model_dir, device, dtype):
     import transformers
@@ -251,8 +274,8 @@ def _hf_model(model_dir, device, dtype):
     m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
     return m
 
-def run_hf_static(hf, wl: Workload, batch_size: int, repeats: int = 3, warmup: int = 1, pad_id: int = 0) -> Timing:
-    "Time transformers `generate` over the workload in arrival order, `batch_size` left-padded prompts at a time."
+def hf_static_job(hf, wl: Workload, batch_size: int, pad_id: int = 0):
+    "One run of transformers `generate` over the workload in arrival order, `batch_size` left-padded prompts at a time (a function to time)."
     dev = hf.device
     def batch(idx):
         ids = [wl.prompts[i] for i in idx]; width = max(map(len, ids)); new = max(wl.output_lens[i] for i in idx)
@@ -264,7 +287,11 @@ def run_hf_static(hf, wl: Workload, batch_size: int, repeats: int = 3, warmup: i
         if out.shape[1] != width + new: raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, expected {new}")
     def run():
         for s in range(0, len(wl), batch_size): batch(list(range(s, min(s + batch_size, len(wl)))))
-    return measure(run, repeats, warmup, _sync(dev))
+    return run
+
+def run_hf_static(hf, wl: Workload, batch_size: int, repeats: int = 3, warmup: int = 1, pad_id: int = 0) -> Timing:
+    "Time transformers `generate` over the workload, `batch_size` prompts at a time."
+    return measure(hf_static_job(hf, wl, batch_size, pad_id), repeats, warmup, _sync(hf.device))
 
 def _sync(dev): return torch.cuda.synchronize if torch.device(dev).type == "cuda" else None
 
@@ -287,8 +314,8 @@ def hf_cb_manager(hf, cb_config):
     finally:
         mgr.stop(block=True, timeout=30); mgr.destroy()
 
-def run_hf_cb(mgr, wl: Workload, repeats: int = 3, warmup: int = 1, timeout: float = 600) -> Timing:
-    "Time transformers' continuous batching over the workload: all requests queued at once, until all have finished."
+def hf_cb_job(mgr, wl: Workload, timeout: float = 600):
+    "One run of transformers' continuous batching over the workload: all requests queued at once, until all have finished (a function to time)."
     run_no = iter(range(10**9))
     def run():
         k = next(run_no)
@@ -302,7 +329,11 @@ def run_hf_cb(mgr, wl: Workload, repeats: int = 3, warmup: int = 1, timeout: flo
                 raise RuntimeError("transformers continuous batching stopped before finishing the workload")
         bad = [i for i, o in zip(ids, wl.output_lens) if done[i].error is not None or len(done[i].generated_tokens) != o]
         if bad: raise RuntimeError(f"transformers continuous batching: {len(bad)} requests ended early or failed, e.g. {bad[0]}")
-    return measure(run, repeats, warmup)
+    return run
+
+def run_hf_cb(mgr, wl: Workload, repeats: int = 3, warmup: int = 1, timeout: float = 600) -> Timing:
+    "Time transformers' continuous batching over the workload."
+    return measure(hf_cb_job(mgr, wl, timeout), repeats, warmup)
 
 # %% ../nbs/11_benchmarks.ipynb #d1beaf18
 PEERS = ("hf-static", "hf-best", "hf-cb")
@@ -315,35 +346,43 @@ def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = 
                   max_num_batched_tokens: int = 2048, block_size: int = 16, num_blocks: int | None = None,
                   enable_prefix_caching: bool = True, repeats: int = 3, warmup: int = 1, peers=PEERS,
                   hf_batch_sizes: list[int] | None = None, log=print) -> dict:
-    "Ours against transformers `generate` (static batches: equal size, and the best of a sweep) and transformers' continuous batching."
+    "Ours against transformers `generate` (static batches: equal size, and the best of a sweep) and transformers' continuous batching, timed in turns."
     from hetero_infer.engine import LLM
     unknown = set(peers) - set(PEERS)
     if unknown: raise ValueError(f"peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
     llm = LLM(str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching)
     cfg = llm.engine.config
-    rows = []
-    log(f"ours: max_num_seqs={max_num_seqs}, {len(wl)} requests ..."); t = run_ours(llm, wl, repeats, warmup)
-    rows.append(_row(f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs})", "ours", t, wl, batch_size=max_num_seqs))
+    log(f"ours: max_num_seqs={max_num_seqs}, {len(wl)} requests ...")
+    jobs = {"ours": ours_job(llm, wl)}
     hf = _hf_model(model_dir, device, dtype) if peers else None
+    best, sweep = max_num_seqs, None
     if "hf-static" in peers or "hf-best" in peers:
-        log(f"transformers generate, static batches of {max_num_seqs} ..."); t = run_hf_static(hf, wl, max_num_seqs, repeats, warmup)
-        if "hf-static" in peers:
-            rows.append(_row(f"transformers generate, static batches of {max_num_seqs} (equal batch)", "hf-static", t, wl, batch_size=max_num_seqs))
-    if "hf-best" in peers:
+        log(f"transformers generate, static batches of {max_num_seqs} ...")
+        jobs["hf-static"] = hf_static_job(hf, wl, max_num_seqs)
+    if "hf-best" in peers:     # the sweep picks the batch size first (one warmed-up run each), so that the best is timed in turns too
         sizes = hf_batch_sizes or sorted({b for b in (max_num_seqs // 4, max_num_seqs // 2, max_num_seqs * 2, len(wl)) if 1 <= b <= len(wl)} - {max_num_seqs})
-        sweep = {max_num_seqs: t.median}
+        for _ in range(warmup): jobs["hf-static"]()
+        sweep = {max_num_seqs: run_hf_static(hf, wl, max_num_seqs, 1, 0).median}
         for b in sizes:
             log(f"transformers generate sweep: batch {b} (1 run) ..."); sweep[b] = run_hf_static(hf, wl, b, 1, 0).median
         best = min(sweep, key=sweep.get)
-        tb = t if best == max_num_seqs else run_hf_static(hf, wl, best, repeats, 0)
-        rows.append(_row(f"transformers generate, static batches of {best} (best of sweep {sorted(sweep)})", "hf-best", tb, wl,
+        if best != max_num_seqs: jobs["hf-best"] = hf_static_job(hf, wl, best)
+        if best != max_num_seqs and "hf-static" not in peers: del jobs["hf-static"]
+    with contextlib.ExitStack() as stack:
+        if "hf-cb" in peers:
+            log("transformers continuous batching ...")
+            cbc = hf_cb_config(max_num_seqs, max_num_batched_tokens, block_size, cfg.num_blocks, enable_prefix_caching)
+            jobs["hf-cb"] = hf_cb_job(stack.enter_context(hf_cb_manager(hf, cbc)), wl)
+        t = measure_interleaved(jobs, repeats, warmup, _sync(device))        # ours, theirs, ours, theirs, ...
+    rows = [_row(f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs})", "ours", t["ours"], wl, batch_size=max_num_seqs)]
+    if "hf-static" in peers:
+        rows.append(_row(f"transformers generate, static batches of {max_num_seqs} (equal batch)", "hf-static", t["hf-static"], wl, batch_size=max_num_seqs))
+    if "hf-best" in peers:
+        rows.append(_row(f"transformers generate, static batches of {best} (best of sweep {sorted(sweep)})", "hf-best", t.get("hf-best", t["hf-static"]), wl,
                          batch_size=best, sweep_s={str(k): v for k, v in sorted(sweep.items())}))
     if "hf-cb" in peers:
-        log("transformers continuous batching ...")
-        cbc = hf_cb_config(max_num_seqs, max_num_batched_tokens, block_size, cfg.num_blocks, enable_prefix_caching)
-        with hf_cb_manager(hf, cbc) as mgr: t = run_hf_cb(mgr, wl, repeats, warmup)
-        rows.append(_row(f"transformers continuous batching, max_requests_per_batch={max_num_seqs}", "hf-cb", t, wl, batch_size=max_num_seqs))
+        rows.append(_row(f"transformers continuous batching, max_requests_per_batch={max_num_seqs}", "hf-cb", t["hf-cb"], wl, batch_size=max_num_seqs))
     ours = rows[0]["output_tok_s"]
     for r in rows: r["ours_over_this"] = ours / r["output_tok_s"]
     return {"benchmark": "offline", "machine": machine_info(device), "model": str(model_dir), "workload": wl.describe(),
@@ -504,7 +543,7 @@ def serve_bench(url: str | None, wl: Workload, rates=(1.0, 2.0, 4.0, 8.0), burst
             log(f"rate {rate:g} req/s: {len(wl)} requests ...")
             recs, dur = run_load(base, name, wl, rate, seed, api_key)
             runs.append({"rate": "burst" if math.isinf(rate) else rate, **serve_metrics(recs, dur, slo_ttft_ms, slo_tpot_ms)})
-    return {"benchmark": "serve", "machine": machine_info("cpu"), "url": url or "(started here)", "model": name,
+    return {"benchmark": "serve", "machine": machine_info("cpu"), "url": base, "started_here": url is None, "model": name,
             "serve_args": list(serve_args), "workload": wl.describe(), "runs": runs}
 
 def format_serve(res: dict) -> str:
@@ -512,7 +551,9 @@ def format_serve(res: dict) -> str:
     w = res["workload"]
     head = (f"{'rate':>6} {'done':>5} {'req/s':>6} {'out tok/s':>9} {'goodput':>7} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} | "
             f"{'TPOT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>7} | {'E2E p50':>7} {'p99':>7}  (ms)")
-    lines = [f"model: {res['model']} at {res['url']}; {w['num_requests']} requests per rate, input {w['input_len']}, output {w['output_len']}",
+    where = (f"served by `hetero-infer serve {' '.join(map(shlex.quote, res['serve_args']))}` started by this benchmark"
+             if res.get("started_here", res["url"] == "(started here)") else f"at {res['url']}")
+    lines = [f"model: {res['model']}, {where}; {w['num_requests']} requests per rate, input {w['input_len']}, output {w['output_len']}",
              f"machine: {machine_label(res['machine'])}", "", head]
     f = lambda d, k: f"{d[k]:.0f}" if d[k] is not None else "-"
     for r in res["runs"]:
@@ -748,15 +789,16 @@ def _range_arg(s: str) -> tuple[int, int]:
 def _model_args(p):
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped demo model)")
     p.add_argument("--dummy-config", default=None, choices=sorted(DUMMY_CONFIGS),
-                   help="benchmark this public model shape with random weights (written once to ~/.cache/hetero_infer/dummy; no download)")
+                   help="benchmark this public model shape with random weights, written once to ~/.cache/hetero_infer/dummy, no download "
+                        f"(choices: {', '.join(sorted(DUMMY_CONFIGS))}; default: none)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="dummy: random weights with the --model directory's config.json (shapes are real, text is noise)")
-    p.add_argument("--num-requests", type=int, default=None, help="requests (default 256; 64 on CPU)")
+                   help="dummy: random weights with the --model directory's config.json, so shapes are real and text is noise (choices: auto, dummy; default: auto)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests (default: 256; 64 on CPU)")
     p.add_argument("--input-len", type=_range_arg, default=None, metavar="LO,HI",
-                   help="prompt length, uniform in [LO, HI] (default 100,1024; /8 on CPU, and fitted to max_model_len)")
-    p.add_argument("--output-len", type=_range_arg, default=None, metavar="LO,HI", help="output length, uniform in [LO, HI] (defaults as --input-len)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
-    p.add_argument("--output", default=None, help="write the result as JSON to this file")
+                   help="prompt length, uniform in [LO, HI] (default: 100,1024; /8 on CPU, and fitted to max_model_len)")
+    p.add_argument("--output-len", type=_range_arg, default=None, metavar="LO,HI", help="output length, uniform in [LO, HI] (default: as --input-len)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    p.add_argument("--output", default=None, help="write the result as JSON to this file (default: none)")
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     "Add the `offline` and `serve` sub-commands of `hetero-infer bench` and all their options to `parser`."
@@ -765,16 +807,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Throughput of the engine against transformers generate (static batches) and transformers continuous batching, "
                                    "on the same model and the same seeded random workload, in one process.")
     _model_args(o)
-    o.add_argument("--device", default="auto", help="cpu, cuda or auto"); o.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, float16, bfloat16")
-    o.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step, and the static batch size of the transformers peer (default 256; 16 on CPU)")
-    o.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (also transformers' max_batch_tokens)")
-    o.add_argument("--block-size", type=int, default=16, help="KV block size (also transformers' page_size)")
-    o.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: derived from memory; transformers gets the same)")
-    o.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching (and transformers' block sharing)")
-    o.add_argument("--repeats", type=int, default=3, help="timed runs per system (median and spread reported)")
-    o.add_argument("--warmup", type=int, default=1, help="untimed runs first")
-    o.add_argument("--peers", default=",".join(PEERS), help=f"comma list of transformers peers: {', '.join(PEERS)} (empty: ours only)")
-    o.add_argument("--hf-batch-sizes", default=None, help="comma list of transformers generate batch sizes to sweep for hf-best")
+    o.add_argument("--device", default="auto", help="cpu, cuda or auto: cuda when available (default: auto)")
+    o.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, float16 or bfloat16 (default: auto)")
+    o.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step, and the static batch size of the transformers peer (default: 256; 16 on CPU)")
+    o.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step, also transformers' max_batch_tokens (default: 2048)")
+    o.add_argument("--block-size", type=int, default=16, help="KV block size, also transformers' page_size (default: 16)")
+    o.add_argument("--num-blocks", type=int, default=None, help="KV blocks; transformers gets the same (default: derived from memory)")
+    o.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching and transformers' block sharing (default: on)")
+    o.add_argument("--repeats", type=int, default=3, help="timed runs per system, interleaved across systems; median and spread reported (default: 3)")
+    o.add_argument("--warmup", type=int, default=1, help="untimed runs per system first (default: 1)")
+    o.add_argument("--peers", default=",".join(PEERS), help=f"comma list of transformers peers from {', '.join(PEERS)}; empty: ours only (default: {','.join(PEERS)})")
+    o.add_argument("--hf-batch-sizes", default=None, help="comma list of transformers generate batch sizes to sweep for hf-best "
+                                                          "(default: max_num_seqs / 4, / 2, x 2 and all requests at once)")
     o.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, which follows OMP_NUM_THREADS)")
     s = sub.add_parser("serve", help="latency and throughput of a server under Poisson load (TTFT, TPOT, ITL, E2E, goodput)",
                        description="Streams the workload to an OpenAI-compatible server with Poisson arrivals at each rate and as a burst. "
@@ -782,13 +826,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _model_args(s)
     s.add_argument("--url", default=None, help="base URL of a running server (default: start hetero-infer serve here)")
     s.add_argument("--served-model-name", default=None, help="model name to send (default: the first of /v1/models)")
-    s.add_argument("--api-key", default=None, help="bearer token for the server")
-    s.add_argument("--rates", default="2,4,8,16", help="comma list of request rates (requests/s) for the Poisson runs")
-    s.add_argument("--no-burst", action="store_true", help="skip the burst run (all requests at once)")
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput target for time to first token (ms)")
-    s.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target for time per output token (ms)")
-    s.add_argument("--serve-args", default="", help="extra arguments for the started hetero-infer serve, e.g. \"--max-num-seqs 32\"")
-    s.add_argument("--plot", default=None, help="write the rate-sweep plot (PNG) to this file")
+    s.add_argument("--api-key", default=None, help="bearer token for the server (default: none)")
+    s.add_argument("--rates", default="2,4,8,16", help="comma list of request rates (requests/s) for the Poisson runs (default: 2,4,8,16)")
+    s.add_argument("--no-burst", action="store_true", help="skip the burst run, all requests at once (default: the burst runs)")
+    s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput target for time to first token, ms (default: 1000)")
+    s.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target for time per output token, ms (default: 200)")
+    s.add_argument("--serve-args", default="", help="extra arguments for the started hetero-infer serve, e.g. \"--max-num-seqs 32\" (default: none)")
+    s.add_argument("--plot", default=None, help="write the rate-sweep plot (PNG) to this file (default: none)")
 
 # %% ../nbs/11_benchmarks.ipynb #02c2a9ed
 def _resolve_model(args) -> tuple[str, bool]:
@@ -813,6 +857,11 @@ def _workload_for(args, model_dir: str, device: str) -> tuple[Workload, str | No
 def _write_json(res: dict, path: str | None) -> None:
     if path: Path(path).write_text(json.dumps(res, indent=2)); print(f"wrote {path}")
 
+def _command_line(args) -> str:
+    "The command that produced a result, to store beside it."
+    argv = getattr(args, "argv", None)
+    return ("hetero-infer bench " + " ".join(map(shlex.quote, argv))) if argv is not None else " ".join(map(shlex.quote, ["hetero-infer", *sys.argv[1:]]))
+
 def _cmd_offline(args) -> int:
     from hetero_infer.model import resolve_device
     if args.threads is not None:
@@ -831,9 +880,7 @@ def _cmd_offline(args) -> int:
     res = offline_bench(model, wl, device=device, dtype=dtype, max_num_seqs=mns, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                         repeats=args.repeats, warmup=args.warmup, peers=peers, hf_batch_sizes=sizes)
-    argv = getattr(args, "argv", None)
-    res["command"] = ("hetero-infer bench " + " ".join(map(shlex.quote, argv))) if argv is not None else " ".join(map(shlex.quote, ["hetero-infer", *sys.argv[1:]]))
-    res["note"] = note
+    res["command"], res["note"] = _command_line(args), note
     print(); print(format_offline(res)); _write_json(res, args.output)
     return 0
 
@@ -846,7 +893,7 @@ def _cmd_serve(args) -> int:
     serve_args = (["--model", model] if not args.url else []) + shlex.split(args.serve_args)
     res = serve_bench(args.url, wl, rates, not args.no_burst, args.seed, args.slo_ttft_ms, args.slo_tpot_ms, serve_args,
                       args.served_model_name, args.api_key)
-    res["note"] = note
+    res["command"], res["note"] = _command_line(args), note
     print(); print(format_serve(res)); _write_json(res, args.output)
     if args.plot:
         try: import matplotlib.pyplot as plt

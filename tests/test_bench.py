@@ -124,11 +124,32 @@ def test_offline_command_writes_json(tmp_path, capsys):
     out = tmp_path / "r.json"
     args = parser().parse_args(["offline", "--num-requests", "5", "--input-len", "2,8", "--output-len", "1,5", "--max-num-seqs", "2",
                                 "--repeats", "2", "--warmup", "0", "--peers", "hf-static", "--threads", "1", "--output", str(out)])
+    args.argv = ["offline", "--num-requests", "5"]          # as `python -m hetero_infer.bench` passes them
     assert bench_command(args) == 0
     res = json.loads(out.read_text())
     assert res["benchmark"] == "offline" and res["workload"]["num_requests"] == 5 and res["config"]["max_num_seqs"] == 2
     assert [r["key"] for r in res["results"]] == ["ours", "hf-static"] and len(res["results"][0]["timing"]["times_s"]) == 2
     assert "threads: 1" in capsys.readouterr().out
+    assert res["command"] == "hetero-infer bench offline --num-requests 5"
+
+
+def test_offline_bench_times_the_systems_in_turns(monkeypatch):
+    "Warm-ups first, then ours, theirs, ours, theirs, ...: a load spike on a shared machine lands on every system, not on one."
+    order = []
+    def traced(name, make):
+        def make_traced(*a, **k):
+            run = make(*a, **k)
+            def go(): order.append(name); run()
+            return go
+        return make_traced
+    monkeypatch.setattr(bench, "ours_job", traced("ours", bench.ours_job))
+    monkeypatch.setattr(bench, "hf_static_job", traced("hf-static", bench.hf_static_job))
+    monkeypatch.setattr(bench, "hf_cb_job", traced("hf-cb", bench.hf_cb_job))
+    wl = random_workload(4, (3, 8), (2, 4), vocab_size=297, seed=1)
+    res = offline_bench(DEMO_MODEL_DIR, wl, max_num_seqs=2, repeats=3, warmup=1, peers=("hf-static", "hf-cb"), log=lambda s: None)
+    assert order == ["ours", "hf-static", "hf-cb"] * 4
+    assert [r["key"] for r in res["results"]] == ["ours", "hf-static", "hf-cb"]
+    assert all(len(r["timing"]["times_s"]) == 3 for r in res["results"])
 
 @pytest.mark.parametrize("argv, field", [(["offline", "--input-len", "3,100", "--output-len", "1,8"], "max_model_len"),
                                          (["offline", "--peers", "vllm", "--num-requests", "2"], "peers"),
@@ -141,11 +162,14 @@ def test_bad_input_exits_2_naming_the_field(argv, field, capsys):
     assert err.startswith("hetero-infer: error:") and field in err
 
 def test_help_documents_every_option():
+    "Every option of `bench offline` and `bench serve` has help that shows its default, and its choices when it has some."
     ap = parser()
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
     for name, p in sub.choices.items():
         for a in p._actions:
-            if a.option_strings and a.dest != "help": assert a.help, f"{name} {a.option_strings} has no help"
+            if not a.option_strings or a.dest == "help": continue
+            assert a.help and ("(default" in a.help or "; default" in a.help), f"{name} {a.option_strings}: {a.help!r}"
+            if a.choices: assert all(str(c) in a.help for c in a.choices), f"{name} {a.option_strings}: {a.help!r}"
 
 
 # ---- step-loop tracer and phase profiler
@@ -179,11 +203,19 @@ def test_step_breakdown_phases_sum_to_the_step_and_unwrap():
 
 @pytest.mark.skipif(importlib.util.find_spec("hetero_infer.server") is None,
                     reason="hetero_infer.server is not built yet (09_server): bench serve needs a real server")
-def test_serve_bench_against_real_server():
-    wl = random_workload(6, (3, 12), (2, 6), vocab_size=297, seed=2)
-    res = bench.serve_bench(None, wl, rates=(20.0,), burst=True, serve_args=["--model", str(DEMO_MODEL_DIR)], log=lambda s: None)
+def test_serve_bench_against_real_server(tmp_path, capsys):
+    "`hetero-infer bench serve` starting its own server: every request served, the command stored, and a header that says where the server ran."
+    out = tmp_path / "serve.json"
+    args = parser().parse_args(["serve", "--num-requests", "6", "--input-len", "3,12", "--output-len", "2,6", "--seed", "2", "--rates", "20",
+                                "--output", str(out)])
+    args.argv = ["serve", "--num-requests", "6", "--rates", "20"]
+    assert bench_command(args) == 0
+    printed, res = capsys.readouterr().out, json.loads(out.read_text())
+    assert res["command"] == "hetero-infer bench serve --num-requests 6 --rates 20" and res["started_here"] and res["url"].startswith("http://127.0.0.1:")
+    assert f"model: hetero-infer, served by `hetero-infer serve --model {DEMO_MODEL_DIR}` started by this benchmark;" in printed
+    assert "(started here)" not in printed
     assert [r["rate"] for r in res["runs"]] == [20.0, "burst"]
     for r in res["runs"]:
         assert r["completed"] == 6 and r["failed"] == 0, r["errors"]
-        assert r["output_throughput"] == pytest.approx(wl.num_output_tokens / r["duration_s"])
+        assert r["output_throughput"] == pytest.approx(res["workload"]["output_tokens"] / r["duration_s"])
         assert 0 < r["ttft"]["p50_ms"] <= r["ttft"]["p99_ms"] <= r["e2e"]["p99_ms"]

@@ -139,12 +139,17 @@ def all_parsers():
 
 
 def test_every_flag_has_help_with_its_default():
+    "generate, serve, demo and bench offline/serve: every option's help shows its default, and its choices when it has some."
     _, subs = all_parsers()
-    for name in ("generate", "serve", "demo"):
-        for a in subs[name]._actions:
+    parsers = {name: subs[name] for name in ("generate", "serve", "demo")}
+    bench = next(a for a in subs["bench"]._actions if isinstance(a, argparse._SubParsersAction)).choices
+    parsers.update({f"bench {name}": p for name, p in bench.items()})
+    assert {"bench offline", "bench serve"} <= set(parsers)
+    for name, p in parsers.items():
+        for a in p._actions:
             if a.help == argparse.SUPPRESS or isinstance(a, argparse._HelpAction) or not a.option_strings: continue
             assert a.help and "default" in a.help, (name, a.option_strings, a.help)
-            if a.choices: assert a.choices and all(str(c) in subs[name].format_help() for c in a.choices)
+            if a.choices: assert all(str(c) in p.format_help() for c in a.choices), (name, a.option_strings)
 
 
 def test_help_is_complete(capsys):

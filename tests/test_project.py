@@ -1,5 +1,5 @@
 """Project-level checks: packaging metadata, docs configuration, notebook layout."""
-import configparser, re, shlex
+import configparser, json, re, shlex
 from pathlib import Path
 
 root = Path(__file__).resolve().parent.parent
@@ -66,3 +66,38 @@ def test_readme_claims_only_what_exists():
     if not (root / "hetero_infer" / "server.py").exists():
         assert "OpenAI" not in readme.split("## Getting started")[0] and "generate` / `serve`" not in readme
     assert "hetero-infer generate --chat" in readme and "source .venv/bin/activate" in readme
+
+
+def temp_leaks(src: str) -> list[str]:
+    """Lines of notebook code that make a temporary directory (`mkdtemp`) or file (`NamedTemporaryFile(delete=False)`, `mkstemp`) that the
+    notebook never removes: each must be assigned to a name that as many `rmtree(name` / `unlink(name.name` calls remove later."""
+    leaks, made = [], {}
+    for line in src.splitlines():
+        if re.search(r"\bmk[sd]temp\(", line):
+            m = re.match(r"\s*(\w+)\s*=", line)
+            if m: made.setdefault(("rmtree", m[1]), []).append(line.strip())
+            else: leaks.append(line.strip())
+        elif re.search(r"NamedTemporaryFile\([^)]*delete\s*=\s*False", line):
+            m = re.search(r"\bas\s+(\w+)", line)
+            if m: made.setdefault(("unlink", m[1] + ".name"), []).append(line.strip())
+            else: leaks.append(line.strip())
+    for (how, name), lines in made.items():
+        removed = len(re.findall(rf"\b(?:{how}|remove)\(\s*{re.escape(name)}\b", src))
+        if removed < len(lines): leaks += lines[removed:]
+    return leaks
+
+def test_temp_leaks_finds_what_a_notebook_never_removes():
+    assert temp_leaks('out = str(Path(tempfile.mkdtemp()) / "o.json")') == ['out = str(Path(tempfile.mkdtemp()) / "o.json")']
+    assert temp_leaks('run(Path(tempfile.mkdtemp()) / "o.json")') != []
+    assert temp_leaks("tmp = Path(tempfile.mkdtemp())\nuse(tmp)\nshutil.rmtree(tmp)") == []
+    with_file = 'with tempfile.NamedTemporaryFile("w", delete=False) as f: f.write("x")\n'
+    assert temp_leaks(with_file) != [] and temp_leaks(with_file + "os.unlink(f.name)") == []
+    assert temp_leaks(with_file * 2 + "os.unlink(f.name)") != []            # two files, one removed
+
+def test_notebooks_remove_their_temporary_files():
+    "Running the notebooks (nbdev_test, docs builds) leaves nothing behind in /tmp."
+    leaks = {}
+    for nb in sorted((root / "nbs").glob("*.ipynb")):
+        src = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+        if found := temp_leaks(src): leaks[nb.name] = found
+    assert leaks == {}
