@@ -55,16 +55,22 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
+    "A worker killed mid-run: the running requests end with an error naming the rank, promptly; later ones are refused too."
     _model(tmp_path, "llama")
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
     try:
-        worker = llm.engine.runner.workers[0]
-        os.kill(worker.pid, signal.SIGKILL); worker.join(10)
-        t = time.time()
-        with pytest.raises(EngineStepError) as e: llm.generate(prompts((5,)), GREEDY, use_tqdm=False)
-        assert time.time() - t < 60
-        out = e.value.outputs[0]
-        assert out.outputs[0].finish_reason == "error" and "worker rank 1 exited" in out.error, out
+        eng = llm.engine
+        for i, p in enumerate(prompts((5, 9, 7))): eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        for _ in range(4): eng.step()                        # prefill and a few decodes
+        worker = eng.runner.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        t, outs = time.time(), []
+        while eng.has_unfinished_requests() and time.time() - t < 60: outs += eng.step()
+        assert time.time() - t < 60 and not eng.has_unfinished_requests()
+        finals = [o for o in outs if o.finished]
+        assert len(finals) == 3 and all(o.outputs[0].finish_reason == "error" and "worker rank 1 exited" in o.error for o in finals), finals
+        assert all(0 < len(o.outputs[0].token_ids) < 50 for o in finals)   # it died mid-run
+        with pytest.raises(EngineStepError, match="worker rank 1 exited"): llm.generate(prompts((5,)), GREEDY, use_tqdm=False)
     finally: llm.close()
 
 def _serve_tp2():
