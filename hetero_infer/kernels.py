@@ -4,16 +4,16 @@
 
 # %% ../nbs/04_paged_attention_triton.ipynb #b2271b1d
 from __future__ import annotations
-import functools
+import functools, os
 from dataclasses import dataclass
 import torch, triton
 import triton.language as tl
 from .attention import AttentionBackend
 
 # %% auto #0
-__all__ = ['MAX_HEAD_DIM', 'LOG2E', 'block_d', 'triton_write_kv', 'KernelTiles', 'uses_tensor_cores', 'attention_tiles',
-           'num_decode_splits', 'triton_paged_decode_attention', 'triton_paged_prefill_attention',
-           'TritonAttentionBackend', 'decode_bytes']
+__all__ = ['MAX_HEAD_DIM', 'LOG2E', 'block_d', 'triton_write_kv', 'KernelTiles', 'uses_tensor_cores', 'supports_bf16',
+           'attention_tiles', 'num_decode_splits', 'triton_paged_decode_attention', 'triton_paged_prefill_attention',
+           'TritonAttentionBackend', 'triton_unsupported', 'decode_bytes']
 
 # %% ../nbs/04_paged_attention_triton.ipynb #3cc75f71
 MAX_HEAD_DIM = 256   # the largest head the kernels' register and shared-memory tiles are sized for
@@ -77,6 +77,10 @@ class KernelTiles:
 def uses_tensor_cores(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
     "Whether Triton lowers the kernels' `tl.dot` to tensor-core MMA: fp16/bf16 on sm_80 and newer. fp32 (`ieee`) and sm_75 use FMA."
     return dtype != torch.float32 and tuple(capability) >= (8, 0)
+
+def supports_bf16(capability: tuple[int, int]) -> bool:
+    "Whether a GPU of this compute capability has bf16 as a native dtype (sm_80 on); a T4 (sm_75) does not."
+    return tuple(capability) >= (8, 0)
 
 def attention_tiles(kind: str,                     # "decode" or "prefill"
                     head_dim: int,                 # D; tiles are sized by block_d(D)
@@ -289,6 +293,22 @@ class TritonAttentionBackend(AttentionBackend):
         return triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len)
     def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None, max_seq_len=None):
         return triton_paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len)
+
+def triton_unsupported(head_dim: int,                 # the model's D
+                       dtype: torch.dtype,            # the KV-cache dtype
+                       device: str | torch.device,    # where the model runs
+                       sliding_window: int | None = None  # the model's window, None when no layer slides
+                       ) -> str | None:
+    "Why the Triton backend cannot run this model here (a sentence naming the field), or None when it can."
+    device = torch.device(device)
+    if not 1 <= head_dim <= MAX_HEAD_DIM: return f"head_dim={head_dim} is outside the Triton kernels' range [1, {MAX_HEAD_DIM}]"
+    if sliding_window is not None: return f"the Triton kernels have no sliding-window attention (sliding_window={sliding_window})"
+    if device.type == "cuda":
+        cap = _capability(device)
+        if dtype == torch.bfloat16 and not supports_bf16(cap): return f"dtype=bfloat16 needs compute capability 8.0 or newer, this GPU has {cap[0]}.{cap[1]}"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return f"device={device.type!r}: the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 set before triton is imported)"
+    return None
 
 # %% ../nbs/04_paged_attention_triton.ipynb #3069bb17
 def decode_bytes(num_seqs: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, elem_size: int = 2) -> int:

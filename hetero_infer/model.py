@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_model.ipynb #a2f5e9fe
 from __future__ import annotations
-import contextlib, json, math, os, re
+import contextlib, json, math, os, re, warnings
 from dataclasses import dataclass
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -15,8 +15,8 @@ from .attention import AttentionMetadata, get_attention_backend
 __all__ = ['FAMILIES', 'SUPPORTED_ARCHITECTURES', 'ROPE_TYPES', 'ACTIVATIONS', 'DTYPE_ALIASES', 'CPU_KV_CACHE_BYTES',
            'tiny_hf_checkpoint', 'ModelConfig', 'layer_windows', 'parse_config', 'RMSNorm', 'rope_cos_sin',
            'rotate_half', 'apply_rope', 'rope_inv_freq', 'MLP', 'Attention', 'DecoderLayer', 'LlamaModel', 'hf_names',
-           'checkpoint_files', 'dtype_name', 'load_model', 'resolve_device', 'resolve_dtype', 'kv_block_bytes',
-           'cpu_threads', 'set_cpu_threads', 'ModelRunner']
+           'checkpoint_files', 'gpu_dtype', 'attention_backend_for', 'dtype_name', 'load_model', 'resolve_device',
+           'resolve_dtype', 'kv_block_bytes', 'cpu_threads', 'set_cpu_threads', 'ModelRunner']
 
 # %% ../nbs/05_model.ipynb #c9dacdb1
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -272,6 +272,28 @@ def checkpoint_files(path: Path) -> list[Path]:
         if not f.exists(): raise FileNotFoundError(f"checkpoint shard {f.name} is missing from {path}")
     return sorted(files)
 
+# %% ../nbs/05_model.ipynb #2a73489b
+def gpu_dtype(dtype: torch.dtype, device, explicit: bool, capability: tuple | None = None) -> torch.dtype:
+    "bf16 on a GPU without it (compute capability < 8.0, e.g. a T4): refused when asked for, else float16 with a warning (as vLLM does)."
+    if dtype != torch.bfloat16 or torch.device(device).type != "cuda": return dtype
+    cap = tuple(capability or torch.cuda.get_device_capability(torch.device(device)))
+    if cap >= (8, 0): return dtype
+    if explicit: raise ValueError(f"dtype='bfloat16' needs a GPU of compute capability 8.0 or newer, this one has {cap[0]}.{cap[1]}; "
+                                  "use dtype='float16' or 'auto'")
+    warnings.warn(f"this GPU (compute capability {cap[0]}.{cap[1]}) has no bfloat16: the bfloat16 checkpoint runs in float16")
+    return torch.float16
+
+def attention_backend_for(name: str, c: ModelConfig, dtype: torch.dtype, device):
+    "The attention backend `name` for this model: `auto` falls back to torch (with a warning) where Triton cannot run it; an explicit `triton` that cannot is refused."
+    b = get_attention_backend(name, device)
+    if b.name != "triton": return b
+    from hetero_infer.kernels import triton_unsupported
+    why = triton_unsupported(c.head_dim, dtype, device, c.sliding_window)
+    if why is None: return b
+    if name == "triton": raise ValueError(f"attention_backend='triton' cannot run this model: {why}")
+    warnings.warn(f"{why}: using the torch attention backend")
+    return get_attention_backend("torch")
+
 # %% ../nbs/05_model.ipynb #80462e53
 def _open_shards(files, stack) -> dict:
     "Open every shard lazily: checkpoint tensor name -> (handle, file)."
@@ -308,7 +330,7 @@ def load_model(path,                  # HF checkpoint directory: config.json + *
     path = Path(path)
     if not (path / "config.json").exists(): raise FileNotFoundError(f"no config.json in {path}")
     c = parse_config(json.loads((path / "config.json").read_text()))
-    dtype = _to_dtype(dtype or c.torch_dtype or "float32")
+    dtype = gpu_dtype(_to_dtype(dtype or c.torch_dtype or "float32"), device, explicit=dtype is not None)
     with torch.device("meta"): model = LlamaModel(c)
     params = dict(model.named_parameters())    # a tied lm_head appears once, as embed_tokens.weight
     need = {n: hf_names(n) for n in params}
@@ -325,7 +347,7 @@ def load_model(path,                  # HF checkpoint directory: config.json + *
             mod, _, attr = n.rpartition(".")
             setattr(model.get_submodule(mod), attr, nn.Parameter(t, requires_grad=False))
     if c.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
-    model.backend = get_attention_backend("auto", device)
+    model.backend = attention_backend_for("auto", c, dtype, device)
     return model.to(device).eval()
 
 # %% ../nbs/05_model.ipynb #3a06b592
@@ -338,10 +360,12 @@ def resolve_device(device: str) -> str:
         raise ValueError(f"device={device!r} but this torch build sees no CUDA GPU (torch {torch.__version__}); use device='cpu' or 'auto'")
     return device
 
-def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None) -> torch.dtype:
-    "auto -> the checkpoint's dtype on GPU (float32 if it names none), float32 on CPU."
-    if dtype != "auto": return _to_dtype(dtype)
-    return _to_dtype(checkpoint_dtype or "float32") if torch.device(device).type == "cuda" else torch.float32
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None, capability: tuple | None = None) -> torch.dtype:
+    "auto -> the checkpoint's dtype on GPU (float32 if it names none; float16 for bfloat16 before sm_80), float32 on CPU."
+    if dtype != "auto": return gpu_dtype(_to_dtype(dtype), device, True, capability)
+    if torch.device(device).type != "cuda": return torch.float32
+    return gpu_dtype(_to_dtype(checkpoint_dtype or "float32"), device, False, capability)
+
 
 def kv_block_bytes(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     "Bytes one KV block takes over all layers, K and V."
@@ -382,7 +406,7 @@ class ModelRunner:
             model = load_model(config.model, resolve_dtype(config.dtype, device, ckpt_dtype), device)
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
-        self.model.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model.backend = attention_backend_for(config.attention_backend, model.config, self.dtype, self.device)
         self._check_windows()
         self.threads = set_cpu_threads() if self.device.type == "cpu" else None   # intra-op threads on CPU
         self.block_size = config.block_size

@@ -1,0 +1,51 @@
+"""Models whose head size is not a power of two (80, 96: Phi-2, StableLM, GPT-NeoX-style) equal transformers through
+both attention backends (the Triton one under the interpreter), and the backend choice follows what the kernels support."""
+import os, warnings
+import pytest, torch
+from hetero_infer.attention import AttentionMetadata
+from hetero_infer.core import EngineConfig
+from hetero_infer.model import ModelConfig, ModelRunner, attention_backend_for, load_model, tiny_hf_checkpoint
+
+import transformers
+transformers.utils.logging.disable_progress_bar()
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+def logits_paged(model, ids, prefill_len, bs=4, num_blocks=16):
+    "ids[:prefill_len] as one prefill, then one decode step per further token, over a shuffled block table."
+    c = model.config
+    caches = [tuple(torch.zeros(num_blocks, bs, c.num_kv_heads, c.head_dim) for _ in "kv") for _ in range(c.num_layers)]
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))[:-(-len(ids) // bs)].tolist()
+    out = []
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([prefill_len], [prefill_len], [table], bs)
+        out.append(model.compute_logits(model(ids[:prefill_len], torch.arange(prefill_len), caches, meta)))
+        for t in range(prefill_len, len(ids)):
+            meta = AttentionMetadata.build([t + 1], [1], [table], bs)
+            out.append(model.compute_logits(model(ids[t:t + 1], torch.tensor([t]), caches, meta)))
+    return torch.cat(out)
+
+@pytest.mark.parametrize("family,head_dim", [("llama", 80), ("qwen2", 96)])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_non_power_of_two_head_matches_hf(tmp_path, family, head_dim, backend):
+    if backend == "triton" and not INTERP and not torch.cuda.is_available(): pytest.skip("Triton on CPU needs the interpreter")
+    hf = tiny_hf_checkpoint(tmp_path, family, hidden_size=2 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=head_dim, num_hidden_layers=1)
+    r = ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", attention_backend=backend, num_blocks=16))
+    assert r.model.config.head_dim == head_dim and r.model.backend.name == backend
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(head_dim))
+    with torch.no_grad(): ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(logits_paged(r.model, ids, 8), ref, atol=1e-4, rtol=0)
+
+def test_backend_choice_follows_the_kernels():
+    "auto never picks a backend that fails: it falls back to torch with a warning; an explicit triton is refused by name."
+    wide = ModelConfig("LlamaForCausalLM", 256, 1280, 512, 1, 4, 4, 320)
+    window = ModelConfig("MistralForCausalLM", 256, 64, 128, 1, 4, 2, 16, sliding_window=8, layer_windows=[8])
+    for c, field in ((wide, "head_dim=320"), (window, "sliding_window=8")):
+        with pytest.raises(ValueError, match=field): attention_backend_for("triton", c, torch.float16, "cpu" if INTERP else "cuda")
+        assert attention_backend_for("torch", c, torch.float16, "cpu").name == "torch"
+    if torch.cuda.is_available():   # on CUDA, auto would choose Triton: it must fall back instead
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert attention_backend_for("auto", wide, torch.float16, "cuda").name == "torch"
+        assert "head_dim=320" in str(w[0].message)
