@@ -1,7 +1,8 @@
 """The OpenAI-compatible server, started for real (`hetero-infer serve` under uvicorn on 127.0.0.1, a free port) and driven by the official
 `openai` client and raw HTTP: shapes, streaming equals non-streaming, every error row, 50 concurrent clients without cross-talk, disconnects
 that free their blocks, backpressure (503), a hypothesis fuzz with no 5xx, and SIGTERM with open streams (final events, exit 0)."""
-import asyncio, json, os, re, signal, socket, subprocess, sys, tempfile, time
+import asyncio, json, os, re, shlex, shutil, signal, socket, subprocess, sys, tempfile, time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 import httpx, pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -469,3 +470,65 @@ def test_sigterm_drains_open_streams_and_exits_0(slow_server):
         assert events[-1]["choices"][0]["finish_reason"] == "abort"
         r.close(); h.close()
     assert s.proc.wait(30) == 0
+
+
+# ---------------------------------------------------------------- the README's examples, as written
+
+def readme_serve_section() -> tuple[str, list[tuple[str, str]], str]:
+    "The README's Serve section: its `hetero-infer serve` line, each curl command with the answer its comment promises, and the openai snippet."
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    sec = readme.split("## Serve\n", 1)[1].split("\n## ", 1)[0]
+    serve = re.search(r"^hetero-infer serve$", sec, re.M)
+    curls = re.findall(r"^(curl .*)\n# answer: \"(.*?)\"", sec, re.M)
+    client = re.search(r"^```python\n(from openai import OpenAI\n.*?)^```", sec, re.M | re.S)
+    assert serve and len(curls) == 3 and client, "README.md's Serve section lost its serve line, its three curl examples or its openai snippet"
+    return serve[0], curls, client[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try: s.bind(("127.0.0.1", port)); return True
+        except OSError: return False
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_readme_serve_examples_work_as_written():
+    """`hetero-infer serve` exactly as the README writes it, then each README curl command run by the shell as written, and the openai
+    snippet: each gives the answer its comment promises. (Only when port 3000 is taken here is the port swapped for a free one.)"""
+    serve, curls, client = readme_serve_section()
+    port = 3000 if port_is_free(3000) else free_port()
+    here = (lambda text: text) if port == 3000 else (lambda text: text.replace("127.0.0.1:3000", f"127.0.0.1:{port}"))
+    argv = shlex.split(serve) + ([] if port == 3000 else ["--port", str(port)])
+    exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
+    argv = ([exe] if os.path.exists(exe) else [sys.executable, "-c", "import sys; from hetero_infer.cli import main; sys.exit(main())"]) + argv[1:]
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None: log.seek(0); raise RuntimeError(f"`{serve}` exited {proc.returncode}: {log.read()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200: break
+            except httpx.HTTPError: pass
+            assert time.monotonic() < end, "the server did not become ready"
+            time.sleep(0.2)
+        for cmd, answer in curls:
+            r = subprocess.run(here(cmd), shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, (cmd, r.stderr)
+            if '"stream": true' in cmd:
+                events = [l[len("data: "):] for l in r.stdout.splitlines() if l.startswith("data: ")]
+                assert events and events[-1] == "[DONE]", r.stdout
+                chunks = [json.loads(e) for e in events[:-1]]
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            else:
+                choice = json.loads(r.stdout)["choices"][0]
+                text = choice["message"]["content"] if "message" in choice else choice["text"]
+            assert text == answer, (cmd, r.stdout)
+        promised = re.search(r"#\s*(.+)$", client.strip().splitlines()[-1])[1]
+        r = subprocess.run([sys.executable, "-c", here(client)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == promised, (r.stdout, r.stderr)
+    finally:
+        proc.terminate()
+        try: proc.wait(30)
+        except subprocess.TimeoutExpired: proc.kill(); proc.wait(10)
+        log.close()
