@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['ATTENTION_BACKENDS', 'write_kv', 'gather_kv', 'attention_buckets', 'AttentionBucket', 'plan_attention',
-           'bucketed_attention', 'paged_decode_attention', 'paged_prefill_attention', 'AttentionMetadata',
-           'AttentionBackend', 'TorchAttentionBackend', 'get_attention_backend']
+__all__ = ['BUCKET_BYTES', 'ATTENTION_BACKENDS', 'write_kv', 'gather_kv', 'attention_buckets', 'AttentionBucket',
+           'plan_attention', 'bucketed_attention', 'bucket_keys', 'paged_decode_attention', 'paged_prefill_attention',
+           'AttentionMetadata', 'AttentionBackend', 'TorchAttentionBackend', 'get_attention_backend']
 
 # %% ../nbs/03_attention_reference.ipynb #02378569
 def write_kv(k: torch.Tensor,        # (T, Hkv, D) this step's keys
@@ -94,14 +94,15 @@ def plan_attention(seq_lens: list[int],          # per sequence: context length 
                    q_lens: list[int],            # per sequence: its new tokens (1 for a decode)
                    block_tables: torch.Tensor,   # (S, M) int32 block ids
                    block_size: int,
-                   window: int | None = None     # sliding window (transformers' semantics); None: full causal
+                   window: int | None = None,    # sliding window (transformers' semantics); None: full causal
+                   max_keys: int = 8192          # keys one bucket may gather (see `bucket_keys`)
                    ) -> list[AttentionBucket]:
     "Bucket a step's sequences and plan each bucket's gather, mask and output rows; shared by every layer of the step."
     qsl = [0]
     for n in q_lens: qsl.append(qsl[-1] + n)
     starts = [0 if window is None else max(0, L - n - window + 1) for L, n in zip(seq_lens, q_lens)]
     keys = [L - s for L, s in zip(seq_lens, starts)]
-    groups = attention_buckets(q_lens, keys)
+    groups = attention_buckets(q_lens, keys, max_keys=max_keys)
     if not groups: return []
     # the key side of every bucket in a handful of ops: row i of bucket b holds keys start_i .. start_i + Lb - 1,
     # padded by repeating its last key, so nothing outside the sequence's own context is ever read
@@ -158,6 +159,12 @@ def bucketed_attention(q: torch.Tensor,        # (T, Hq, D) the step's queries, 
     return out
 
 # %% ../nbs/03_attention_reference.ipynb #ed506c24
+BUCKET_BYTES = 2**20   # K + V one bucket gathers: small enough to stay in a core's cache while SDPA reads it back
+
+def bucket_keys(k_cache: torch.Tensor) -> int:   # (num_blocks, bs, Hkv, D)
+    "Keys per bucket that fit `BUCKET_BYTES` of gathered K and V (at least 256)."
+    return max(256, BUCKET_BYTES // (2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()))
+
 def paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one query per sequence
                            k_cache: torch.Tensor,      # (num_blocks, bs, Hkv, D)
                            v_cache: torch.Tensor,      # (num_blocks, bs, Hkv, D)
@@ -167,7 +174,7 @@ def paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one query pe
                            max_seq_len: int | None = None,  # accepted for compatibility; the buckets size themselves
                            window: int | None = None):      # sliding window; None: the whole context
     "Attention of each sequence's single new query over its paged context; returns (S, Hq, D) in q's dtype."
-    plan = plan_attention(seq_lens.tolist(), [1] * q.shape[0], block_tables, k_cache.shape[1], window)
+    plan = plan_attention(seq_lens.tolist(), [1] * q.shape[0], block_tables, k_cache.shape[1], window, bucket_keys(k_cache))
     return bucketed_attention(q, k_cache, v_cache, plan, scale)
 
 def paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) the step's new tokens, sequence after sequence
@@ -182,7 +189,7 @@ def paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) the ste
                             window: int | None = None):        # sliding window; None: full causal
     "Causal attention of each sequence's new tokens (the last q_len of its context) over the paged cache; (T, Hq, D)."
     qsl = query_start_loc.tolist()
-    plan = plan_attention(seq_lens.tolist(), [b - a for a, b in zip(qsl, qsl[1:])], block_tables, k_cache.shape[1], window)
+    plan = plan_attention(seq_lens.tolist(), [b - a for a, b in zip(qsl, qsl[1:])], block_tables, k_cache.shape[1], window, bucket_keys(k_cache))
     return bucketed_attention(q, k_cache, v_cache, plan, scale)
 
 # %% ../nbs/03_attention_reference.ipynb #1f3804be
@@ -196,17 +203,18 @@ class AttentionMetadata:
     num_decodes: int               # the first num_decodes sequences have exactly one query token
     max_query_len: int             # max over sequences of this step's tokens
     max_seq_len: int               # max of seq_lens
-    plans: dict = field(default_factory=dict, repr=False, compare=False)   # the torch backend's bucket plans, per (block_size, window)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)   # the torch backend's bucket plans, per (block_size, window, max_keys)
 
     @property
     def num_seqs(self) -> int: return self.seq_lens.shape[0]
 
-    def attention_plan(self, block_size: int, window: int | None = None) -> list[AttentionBucket]:
+    def attention_plan(self, block_size: int, window: int | None = None, max_keys: int = 8192) -> list[AttentionBucket]:
         "The torch backend's bucket plan for this step, built on first use and shared by every layer."
-        key = (block_size, window)
+        key = (block_size, window, max_keys)
         if key not in self.plans:
             qsl = self.query_start_loc.tolist()
-            self.plans[key] = plan_attention(self.seq_lens.tolist(), [b - a for a, b in zip(qsl, qsl[1:])], self.block_tables, block_size, window)
+            self.plans[key] = plan_attention(self.seq_lens.tolist(), [b - a for a, b in zip(qsl, qsl[1:])], self.block_tables, block_size,
+                                             window, max_keys)
         return self.plans[key]
 
     @classmethod
@@ -277,7 +285,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None):
         "Write this step's K/V, then attend to decodes and prefills together, with the step's bucket plan (built once, reused by every layer)."
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return bucketed_attention(q, k_cache, v_cache, meta.attention_plan(k_cache.shape[1], window), scale)
+        return bucketed_attention(q, k_cache, v_cache, meta.attention_plan(k_cache.shape[1], window, bucket_keys(k_cache)), scale)
 
 # %% ../nbs/03_attention_reference.ipynb #96db555f
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
