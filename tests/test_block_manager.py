@@ -337,3 +337,71 @@ def test_sibling_freed_before_joining_releases_only_its_own():
     bm.allocate(lead); bm.allocate_sibling(sib, lead, 2)
     bm.free(sib)
     assert [bm.blocks[b].ref_count for b in lead.block_table] == [1, 1, 1] and bm.num_free_blocks() == 5 and not bm.lent
+
+
+# --- found by mutation testing (make mutation): each pins a behaviour a surviving mutant changed -----------------------
+
+def test_sibling_bounds_on_k():
+    "k counts leading full blocks both share, leaving the sibling at least one token to compute: 0 is allowed."
+    bm = BlockManager(10, 4)
+    lead = mkseq(0, list(range(8)) + [1]); bm.allocate(lead)
+    sib9 = mkseq(1, list(range(8)) + [2])                                # 9 tokens: (9 - 1) // 4 = 2 blocks may be shared
+    bm.allocate_sibling(sib9, lead, 2)
+    assert sib9.block_table[:2] == lead.block_table[:2] and bm.lent[1] == 2
+    sib8 = mkseq(2, range(8))                                            # 8 tokens: sharing both full blocks leaves nothing to compute
+    with pytest.raises(ValueError, match="k must count leading full blocks"): bm.allocate_sibling(sib8, lead, 2)
+    bm.allocate_sibling(sib8, lead, 1)
+    assert sib8.block_table[0] == lead.block_table[0] and sib8.block_table[1] != lead.block_table[1]
+    other = mkseq(3, [7] + list(range(1, 8)) + [2])                      # first block differs from the leader's
+    with pytest.raises(ValueError, match="k must count leading full blocks"): bm.allocate_sibling(other, lead, 1)
+    bm.allocate_sibling(other, lead, 0)                                  # k = 0: nothing shared, all its own blocks
+    assert not set(other.block_table) & set(lead.block_table) and bm.lent[3] == 0
+
+def test_sibling_starts_from_scratch_counts_an_allocation_and_may_take_the_last_block():
+    bm = BlockManager(4, 4)
+    lead = mkseq(0, list(range(8)) + [1]); bm.allocate(lead)             # 3 blocks, 1 free
+    sib = mkseq(1, list(range(8)) + [2])
+    before = bm.stats.allocations
+    bm.allocate_sibling(sib, lead, 2)                                    # needs exactly the one free block
+    assert bm.stats.allocations == before + 1 and bm.num_free_blocks() == 0
+    assert (sib.num_computed_tokens, sib.num_cached_tokens) == (0, 0)
+    with pytest.raises(NoFreeBlocksError, match="needs 3 blocks, 0 free"): bm.allocate_sibling(mkseq(2, range(9)), lead, 0)
+
+def test_sibling_and_fork_refuse_a_sequence_that_holds_blocks():
+    bm = BlockManager(10, 4)
+    lead = mkseq(0, list(range(8)) + [1]); bm.allocate(lead)
+    same_id = mkseq(0, list(range(8)) + [2])                             # empty table, but its id holds blocks here
+    with pytest.raises(ValueError, match="sequence 0 already holds blocks"): bm.allocate_sibling(same_id, lead, 2)
+    with pytest.raises(ValueError, match="sequence 0 already holds blocks"): bm.fork(lead, same_id)
+    stray = mkseq(5, list(range(8)) + [2]); stray.block_table = [9]     # a table this manager never gave out
+    with pytest.raises(ValueError, match="sequence 5 already holds blocks"): bm.allocate_sibling(stray, lead, 2)
+    with pytest.raises(ValueError, match="sequence 5 already holds blocks"): bm.fork(lead, stray)
+    with pytest.raises(KeyError, match="sequence 7 holds no blocks; cannot fork it"): bm.fork(mkseq(7, [1]), mkseq(8, [1]))
+
+def test_can_append_defaults_to_one_token_and_counts_evictable_blocks():
+    bm = BlockManager(3, 4)
+    a = mkseq(0, range(7)); bm.allocate(a); bm.append_slots(a, 7); bm.commit(a, 7)
+    b = mkseq(1, range(100, 104)); bm.allocate(b); bm.append_slots(b, 4); bm.commit(b, 4)
+    a.append_token(1); a.append_token(2)                                 # position 7 lies in a's second block, 8 in a third
+    assert bm.can_append(a) and not bm.can_append(a, 2)                  # a second token needs a third block: none free
+    bm.free(b)                                                           # b's full block is cached: evictable, not free
+    assert not bm.free_ids and len(bm.evictable) == 1
+    assert bm.can_append(a, 2)
+
+def test_decode_of_a_fully_computed_sequence_is_refused():
+    bm = BlockManager(4, 4)
+    a = mkseq(0, range(3)); bm.allocate(a); bm.append_slots(a, 3); bm.commit(a, 3)   # nothing left to compute
+    with pytest.raises(ValueError, match="n must be in"): bm.append_decode_slots([a])
+
+def test_copies_of_one_block_for_two_forks_are_unpinned_in_full():
+    "Two forks copy the same two shared blocks; committing each releases its pins on both sources."
+    bm = BlockManager(12, 4)
+    p = mkseq(0, range(10)); bm.allocate(p); bm.append_slots(p, 5); bm.commit(p, 5)
+    kids = [p.fork(i, i) for i in (1, 2)]
+    for k in kids: bm.fork(p, k)
+    copies = [bm.append_slots(k, 5)[1] for k in kids]
+    assert [len(c) for c in copies] == [2, 2] and len(bm.pins) == 2
+    for k in kids: bm.commit(k, 5)
+    assert not bm.pins and not bm.cow_pending
+    for s in (p, *kids): bm.free(s)
+    assert bm.num_free_blocks() == 12 and all(b.ref_count == 0 for b in bm.blocks)
