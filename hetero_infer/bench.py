@@ -345,13 +345,14 @@ def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
 def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 16,
                   max_num_batched_tokens: int = 2048, block_size: int = 16, num_blocks: int | None = None,
                   enable_prefix_caching: bool = True, repeats: int = 3, warmup: int = 1, peers=PEERS,
-                  hf_batch_sizes: list[int] | None = None, log=print) -> dict:
+                  hf_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1, log=print) -> dict:
     "Ours against transformers `generate` (static batches: equal size, and the best of a sweep) and transformers' continuous batching, timed in turns."
     from hetero_infer.engine import LLM
     unknown = set(peers) - set(PEERS)
     if unknown: raise ValueError(f"peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
     llm = LLM(str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching)
+              block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+              tensor_parallel_size=tensor_parallel_size)
     cfg = llm.engine.config
     log(f"ours: max_num_seqs={max_num_seqs}, {len(wl)} requests ...")
     jobs = {"ours": ours_job(llm, wl)}
@@ -375,7 +376,8 @@ def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = 
             cbc = hf_cb_config(max_num_seqs, max_num_batched_tokens, block_size, cfg.num_blocks, enable_prefix_caching)
             jobs["hf-cb"] = hf_cb_job(stack.enter_context(hf_cb_manager(hf, cbc)), wl)
         t = measure_interleaved(jobs, repeats, warmup, _sync(device))        # ours, theirs, ours, theirs, ...
-    rows = [_row(f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs})", "ours", t["ours"], wl, batch_size=max_num_seqs)]
+    tp = f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    rows = [_row(f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs}{tp})", "ours", t["ours"], wl, batch_size=max_num_seqs)]
     if "hf-static" in peers:
         rows.append(_row(f"transformers generate, static batches of {max_num_seqs} (equal batch)", "hf-static", t["hf-static"], wl, batch_size=max_num_seqs))
     if "hf-best" in peers:
@@ -385,10 +387,12 @@ def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = 
         rows.append(_row(f"transformers continuous batching, max_requests_per_batch={max_num_seqs}", "hf-cb", t["hf-cb"], wl, batch_size=max_num_seqs))
     ours = rows[0]["output_tok_s"]
     for r in rows: r["ours_over_this"] = ours / r["output_tok_s"]
+    llm.close()                                                           # stops tensor-parallel workers, if any
     return {"benchmark": "offline", "machine": machine_info(device), "model": str(model_dir), "workload": wl.describe(),
             "config": {"device": device, "dtype": dtype, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                        "block_size": block_size, "num_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len,
-                       "enable_prefix_caching": enable_prefix_caching, "repeats": repeats, "warmup": warmup},
+                       "enable_prefix_caching": enable_prefix_caching, "repeats": repeats, "warmup": warmup,
+                       "tensor_parallel_size": tensor_parallel_size},
             "results": rows}
 
 def format_offline(res: dict) -> str:
@@ -820,6 +824,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--hf-batch-sizes", default=None, help="comma list of transformers generate batch sizes to sweep for hf-best "
                                                           "(default: max_num_seqs / 4, / 2, x 2 and all requests at once)")
     o.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, which follows OMP_NUM_THREADS)")
+    o.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="processes our engine splits the model across (13_tensor_parallel; the transformers peers run in one process) (default: 1)")
     s = sub.add_parser("serve", help="latency and throughput of a server under Poisson load (TTFT, TPOT, ITL, E2E, goodput)",
                        description="Streams the workload to an OpenAI-compatible server with Poisson arrivals at each rate and as a burst. "
                                    "Without --url it starts `hetero-infer serve` itself.")
@@ -832,6 +837,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput target for time to first token, ms (default: 1000)")
     s.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target for time per output token, ms (default: 200)")
     s.add_argument("--serve-args", default="", help="extra arguments for the started hetero-infer serve, e.g. \"--max-num-seqs 32\" (default: none)")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="processes the started hetero-infer serve splits the model across (default: 1)")
     s.add_argument("--plot", default=None, help="write the rate-sweep plot (PNG) to this file (default: none)")
 
 # %% ../nbs/11_benchmarks.ipynb #02c2a9ed
@@ -879,7 +885,7 @@ def _cmd_offline(args) -> int:
     print(f"threads: {torch.get_num_threads()} (torch intra-op), device {device}, dtype {dtype}")
     res = offline_bench(model, wl, device=device, dtype=dtype, max_num_seqs=mns, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                        repeats=args.repeats, warmup=args.warmup, peers=peers, hf_batch_sizes=sizes)
+                        repeats=args.repeats, warmup=args.warmup, peers=peers, hf_batch_sizes=sizes, tensor_parallel_size=args.tensor_parallel_size)
     res["command"], res["note"] = _command_line(args), note
     print(); print(format_offline(res)); _write_json(res, args.output)
     return 0
@@ -891,6 +897,7 @@ def _cmd_serve(args) -> int:
     wl, note = _workload_for(args, model, "cpu" if not torch.cuda.is_available() else "cuda")
     if note: print(note)
     serve_args = (["--model", model] if not args.url else []) + shlex.split(args.serve_args)
+    if args.tensor_parallel_size != 1 and not args.url: serve_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     res = serve_bench(args.url, wl, rates, not args.no_burst, args.seed, args.slo_ttft_ms, args.slo_tpot_ms, serve_args,
                       args.served_model_name, args.api_key)
     res["command"], res["note"] = _command_line(args), note
