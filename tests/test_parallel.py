@@ -147,3 +147,13 @@ def test_cli_refuses_an_impossible_split_naming_the_flag():
     r = subprocess.run([exe, "generate", "--tensor-parallel-size", "3", "x"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().endswith("hetero-infer: error: --tensor-parallel-size: tensor_parallel_size (3) must divide num_attention_heads (4)"), r.stderr
     assert "Traceback" not in r.stderr
+
+def test_bench_offline_with_two_ranks(tmp_path):
+    import json
+    exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
+    r = subprocess.run([exe, "bench", "offline", "--tensor-parallel-size", "2", "--num-requests", "4", "--peers", "", "--repeats", "1",
+                        "--warmup", "0", "--output", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["config"]["tensor_parallel_size"] == 2 and "tensor_parallel_size=2" in res["results"][0]["system"], res["results"][0]
