@@ -117,12 +117,13 @@ def plan_attention(seq_lens: list[int],          # per sequence: context length 
     kpos = s + torch.minimum(j, n - 1)                                          # (P,) position of each gathered key
     slots = block_tables[t(order)[row], kpos // bs].long() * bs + kpos % bs     # (P,)
     kvalid = j < n
-    plan, at = [], 0
+    first_rows = t([qsl[i] for i in order])                                     # (S,) first query row of each, bucket order
+    plan, at, r0 = [], 0, 0
     for g, Lb in zip(groups, widths):
         Sb = len(g)
-        sl, at = slice(at, at + Sb * Lb), at + Sb * Lb
+        sl, at, r0 = slice(at, at + Sb * Lb), at + Sb * Lb, r0 + Sb
         if all(q_lens[i] == 1 for i in g):                                       # decodes: one query row each
-            rows = t([qsl[i] for i in g])
+            rows = first_rows[r0 - Sb:r0]
             mask = None if all(keys[i] == Lb for i in g) else kvalid[sl].view(Sb, 1, 1, Lb)
             plan.append(AttentionBucket(slots[sl], rows, rows, None, mask, False, (Sb, 1, Lb)))
         else:
@@ -144,8 +145,9 @@ def bucketed_attention(q: torch.Tensor,        # (T, Hq, D) the step's queries, 
     out = torch.empty_like(q)
     for b in plan:
         Sb, Qb, Lb = b.shape
-        k = kf.index_select(0, b.slots).view(Sb, Lb, Hkv, D).transpose(1, 2).to(q.dtype)   # (Sb, Hkv, Lb, D)
-        v = vf.index_select(0, b.slots).view(Sb, Lb, Hkv, D).transpose(1, 2).to(q.dtype)
+        k = kf.index_select(0, b.slots).view(Sb, Lb, Hkv, D).transpose(1, 2)         # (Sb, Hkv, Lb, D)
+        v = vf.index_select(0, b.slots).view(Sb, Lb, Hkv, D).transpose(1, 2)
+        if k.dtype != q.dtype: k, v = k.to(q.dtype), v.to(q.dtype)
         qb = q.index_select(0, b.q_rows)                                             # (Sb*Qb, Hq, D)
         if Qb == 1:                                  # decode: the g query heads of a group are g query rows of its KV head
             o = F.scaled_dot_product_attention(qb.view(Sb, Hkv, g, D), k, v, attn_mask=b.mask, scale=scale)
