@@ -405,3 +405,46 @@ def test_copies_of_one_block_for_two_forks_are_unpinned_in_full():
     assert not bm.pins and not bm.cow_pending
     for s in (p, *kids): bm.free(s)
     assert bm.num_free_blocks() == 12 and all(b.ref_count == 0 for b in bm.blocks)
+
+def test_bad_n_is_refused_naming_the_range():
+    bm = BlockManager(4, 4)
+    a = mkseq(0, range(3)); bm.allocate(a); bm.append_slots(a, 1); bm.commit(a, 1)   # 2 tokens left to compute
+    for n in (0, 3):
+        with pytest.raises(ValueError, match=r"n must be in \[1, 2\] for sequence 0, got %d" % n): bm.append_slots(a, n)
+        with pytest.raises(ValueError, match=r"n must be in \[1, 2\]"): bm.can_append(a, n)
+    with pytest.raises(ValueError, match=r"n must be in \[1, 2\] and have slots"): bm.commit(a, 3)
+    assert bm.append_slots(a) == ([1], [])                              # n defaults to one token
+    bm.free(a)
+    with pytest.raises(KeyError, match="sequence 0 holds no blocks; allocate it first"): bm.append_slots(a, 1)
+    with pytest.raises(KeyError, match="sequence 0 holds no blocks; allocate it first"): bm.append_decode_slots([a])
+    with pytest.raises(KeyError, match=r"sequence 0 holds no blocks \(unknown or already freed\)"): bm.commit(a, 1)
+
+def test_copy_on_write_counts_only_the_blocks_written():
+    "A fork writing one position of a shared block needs one copy, even with more shared blocks after it."
+    bm = BlockManager(4, 4)
+    p = mkseq(0, range(10)); bm.allocate(p); bm.append_slots(p, 5); bm.commit(p, 5)   # blocks 0..2, 1 free
+    c = p.fork(1, 1); bm.fork(p, c)
+    assert bm.can_append(c, 1)                                          # writes block 1 only: one copy, one free block
+    slots, copies = bm.append_slots(c, 1)
+    assert len(copies) == 1 and bm.num_free_blocks() == 0
+    with pytest.raises(NoFreeBlocksError, match="sequence 0 needs 1 blocks to append 5 tokens, 0 free"): bm.append_slots(p, 5)
+
+def test_decodes_may_take_the_last_free_blocks():
+    bm = BlockManager(4, 4)
+    a, b = mkseq(0, range(4)), mkseq(1, range(10, 14))
+    for s in (a, b): bm.allocate(s); bm.append_slots(s, 4); bm.commit(s, 4); s.append_token(7)
+    slots, copies = bm.append_decode_slots([a, b])                     # two new blocks, two free
+    assert len(slots) == 2 and not copies and bm.num_free_blocks() == 0
+    bm.commit_decodes([a, b])
+    for s in (a, b): s.append_token(7)
+    c = mkseq(2, range(20, 24)); bm.free(b); bm.allocate(c); bm.append_slots(c, 4); bm.commit(c, 4); c.append_token(1)
+    assert bm.num_free_blocks() == 1                                    # c's next decode needs a new block
+    d = mkseq(3, range(30, 34)); bm.allocate(d); bm.append_slots(d, 4); bm.commit(d, 4); d.append_token(1)
+    with pytest.raises(NoFreeBlocksError, match="2 decodes need 2 blocks, 0 free"): bm.append_decode_slots([c, d])
+
+def test_without_prefix_caching_commit_publishes_nothing():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    a = mkseq(0, range(9)); bm.allocate(a); bm.append_slots(a, 9); bm.commit(a, 9)
+    assert not bm.cached and all(b.hash is None for b in bm.blocks)
+    bm.free(a)
+    assert not bm.evictable and sorted(bm.free_ids) == [0, 1, 2, 3]
