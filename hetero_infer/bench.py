@@ -515,9 +515,9 @@ def serving(url: str | None = None, serve_args: list[str] = (), startup_timeout:
         while True:
             if proc.poll() is not None: raise RuntimeError(f"hetero-infer serve exited with status {proc.returncode}: {proc.stdout.read()[-2000:]}")
             try:
-                if httpx.get(base + "/healthz", timeout=2).status_code == 200: break
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200: break
             except httpx.HTTPError: pass
-            if time.perf_counter() - t0 > startup_timeout: raise RuntimeError(f"hetero-infer serve did not answer /healthz within {startup_timeout} s")
+            if time.perf_counter() - t0 > startup_timeout: raise RuntimeError(f"hetero-infer serve was not ready (/readyz) within {startup_timeout} s")
             time.sleep(0.25)
         yield base
     finally:

@@ -17,11 +17,12 @@ from . import core
 from .core import EngineConfig, SamplingParams, RequestOutput, CompletionOutput
 
 # %% auto #0
-__all__ = ['PREFIX', 'ServerOverloaded', 'ServerDraining', 'RequestTimeout', 'EngineDead', 'StepFailed', 'AsyncLLMEngine',
-           'start', 'add_request', 'abort', 'stream', 'generate', 'drain', 'shutdown', 'StreamOptions',
-           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'APIError', 'error_from', 'sampling_params',
-           'check_length', 'completion_logprobs', 'chat_logprobs', 'merge_streams', 'ServerMetrics', 'Guard',
-           'completions', 'completion_events', 'chat', 'chat_events', 'sse', 'build_app', 'serve', 'serve_in_thread']
+__all__ = ['PREFIX', 'ServerOverloaded', 'ServerDraining', 'RequestTimeout', 'ServerLoading', 'EngineDead', 'StepFailed',
+           'AsyncLLMEngine', 'start', 'add_request', 'abort', 'stream', 'generate', 'drain', 'shutdown', 'load',
+           'StreamOptions', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'APIError', 'error_from',
+           'sampling_params', 'check_length', 'completion_logprobs', 'chat_logprobs', 'merge_streams', 'ServerMetrics',
+           'Guard', 'completions', 'completion_events', 'chat', 'chat_events', 'sse', 'build_app', 'serve',
+           'serve_in_thread']
 
 # %% ../nbs/09_server.ipynb #c0e1163c
 class ServerOverloaded(RuntimeError):
@@ -32,6 +33,9 @@ class ServerDraining(RuntimeError):
 
 class RequestTimeout(RuntimeError):
     "A request ran past the server's per-request timeout and was aborted (504)."
+
+class ServerLoading(RuntimeError):
+    "The model is still loading: the server answers `/healthz` but every model route 503 until it is ready."
 
 class EngineDead(RuntimeError):
     "The engine cannot run another step (a tensor-parallel worker died): every request gets 503 and the server exits non-zero."
@@ -46,14 +50,15 @@ def _queue_full_errors() -> tuple:
 # %% ../nbs/09_server.ipynb #08326482
 class AsyncLLMEngine:
     "Steps an `LLMEngine` in one worker thread while requests exist; each request reads its outputs from its own asyncio queue."
-    def __init__(self, engine,                           # an `LLMEngine`; only the worker thread touches it
+    def __init__(self, engine,                           # an `LLMEngine` (only the worker thread touches it); None until `load` builds one
                  max_queued_requests: int | None = None,  # refuse new requests while this many sequences wait
                  timeline_len: int = 10_000):             # steps kept in `timeline` (for plots)
         self.engine, self.max_queued_requests = engine, max_queued_requests
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-infer-engine")
         self._queues: dict[str, asyncio.Queue] = {}
         self._task, self._wake, self.draining = None, None, False
-        self.snapshot = dict(engine.stats)          # engine stats after the last step (read by /metrics)
+        self.snapshot = dict(engine.stats) if engine is not None else {}   # engine stats after the last step (read by /metrics)
+        self.load_error: BaseException | None = None  # why `load` failed, if it did
         self.timeline: list[tuple[float, int, int, int]] = []  # (time, running, waiting, batched tokens) per step
         self._timeline_len, self._last_batched = timeline_len, 0
         self.listeners: list = []                   # callables(RequestOutput) run on the event loop for every output
@@ -68,9 +73,12 @@ class AsyncLLMEngine:
         return cls(LLMEngine(config), **kwargs)
 
     @property
-    def tokenizer(self): return self.engine.tokenizer
+    def tokenizer(self): return self._loaded().tokenizer
     @property
-    def max_model_len(self) -> int: return self.engine.config.max_model_len
+    def max_model_len(self) -> int: return self._loaded().config.max_model_len
+    def _loaded(self):
+        if self.engine is None: raise ServerLoading("the model is still loading; retry when /readyz answers 200")
+        return self.engine
     @property
     def is_running(self) -> bool: return self._task is not None and not self._task.done()
     @property
@@ -225,7 +233,17 @@ async def shutdown(self: AsyncLLMEngine, timeout: float = 0.0) -> None:
     self._pool.shutdown(wait=True)
     self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-infer-engine")   # restartable (tests, notebooks)
 
-AsyncLLMEngine.drain, AsyncLLMEngine.shutdown = drain, shutdown
+async def load(self: AsyncLLMEngine, factory) -> None:
+    "Build the engine with `factory()` on the worker thread, then start the loop; meanwhile the event loop keeps answering."
+    try: self.engine = await self.run(factory)
+    except Exception as e:                  # the server cannot serve this model: say why and stop it
+        self.load_error, self.fatal = e, f"the model could not be loaded: {type(e).__name__}: {e}"
+        if self.on_fatal is not None: self.on_fatal(self.fatal)
+        return
+    self.snapshot = dict(self.engine.stats)
+    if not self.draining: self.start()
+
+AsyncLLMEngine.drain, AsyncLLMEngine.shutdown, AsyncLLMEngine.load = drain, shutdown, load
 
 # %% ../nbs/09_server.ipynb #a3322b95
 class _Request(BaseModel):
@@ -298,6 +316,7 @@ def error_from(exc: BaseException) -> APIError:
     if isinstance(exc, _queue_full_errors()): return APIError(503, str(exc), "server_overloaded", None, "queue_full")
     if isinstance(exc, ServerDraining): return APIError(503, str(exc), "service_unavailable", None, "shutting_down")
     if isinstance(exc, EngineDead): return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+    if isinstance(exc, ServerLoading): return APIError(503, str(exc), "service_unavailable", None, "loading")
     if isinstance(exc, RequestTimeout): return APIError(504, str(exc), "timeout", None, "request_timeout")
     if isinstance(exc, ValueError):
         msg = str(exc); first = msg.split(" ", 1)[0].rstrip(":")
@@ -530,6 +549,7 @@ class _Handlers:
         self.aeng, self.name, self.timeout, self.defaults = aeng, name, request_timeout, dict(defaults or {})
 
     def check_model(self, model: str | None) -> None:
+        if self.aeng.engine is None: raise error_from(ServerLoading("the model is still loading; retry when /readyz answers 200"))
         if model is not None and model != self.name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`", "invalid_request_error", "model", "model_not_found")
 
@@ -682,6 +702,7 @@ def build_app(engine,                                # an `AsyncLLMEngine`, or a
               request_timeout: float | None = None, # seconds before a request is aborted (504); None: no limit
               max_queued_requests: int | None = None, # sequences allowed to wait; past it 503
               default_sampling: dict | None = None, # SamplingParams fields used when a request leaves them out
+              engine_factory=None,                  # builds the `LLMEngine` when `engine` is an empty `AsyncLLMEngine` (loaded in the background)
               ):
     "The OpenAI-compatible FastAPI app over one async engine; its lifespan starts and drains the engine loop."
     from fastapi import FastAPI
@@ -689,12 +710,16 @@ def build_app(engine,                                # an `AsyncLLMEngine`, or a
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
     aeng = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
+    if aeng.engine is None and engine_factory is None: raise ValueError("engine_factory: needed when the AsyncLLMEngine has no engine yet")
     if max_queued_requests is not None: aeng.max_queued_requests = max_queued_requests
 
     @asynccontextmanager
     async def lifespan(app):
-        aeng.start()
+        loading = None
+        if aeng.engine is None: loading = asyncio.get_running_loop().create_task(aeng.load(engine_factory))
+        else: aeng.start()
         yield
+        if loading is not None and not loading.done(): loading.cancel()   # the load itself finishes on the worker thread
         await aeng.shutdown()
 
     import hetero_infer
@@ -736,6 +761,7 @@ def build_app(engine,                                # an `AsyncLLMEngine`, or a
 
     @app.get("/v1/models")
     async def models():
+        if aeng.engine is None: raise error_from(ServerLoading("the model is still loading; retry when /readyz answers 200"))
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0, "owned_by": "hetero-infer",
                                             "max_model_len": aeng.max_model_len}]}
 
@@ -745,7 +771,8 @@ def build_app(engine,                                # an `AsyncLLMEngine`, or a
     @app.get("/readyz")
     async def readyz():
         ok = aeng.is_running and not aeng.draining and not aeng.fatal
-        status = "ready" if ok else "dead" if aeng.fatal else "draining" if aeng.draining else "starting"
+        status = ("ready" if ok else "dead" if aeng.fatal else "draining" if aeng.draining else
+                  "loading" if aeng.engine is None and aeng.load_error is None else "failed" if aeng.load_error else "starting")
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -784,12 +811,15 @@ def serve(config: EngineConfig | None = None,           # engine configuration (
           log_level: str = "info",
           **app_kwargs) -> int:
     "Load the model, serve the OpenAI API until SIGTERM/SIGINT, drain, and return 0; 1 when the engine broke for good."
-    aeng = AsyncLLMEngine.from_config(config or EngineConfig())
-    app = build_app(aeng, served_model_name=served_model_name, api_key=api_key, **app_kwargs)
+    from hetero_infer.engine import LLMEngine
+    aeng = AsyncLLMEngine(None)            # listening at once: /healthz 200, /readyz 503 until the model is loaded
+    app = build_app(aeng, served_model_name=served_model_name, api_key=api_key, engine_factory=lambda: LLMEngine(config or EngineConfig()), **app_kwargs)
     server = _uvicorn_server(app, host, port, aeng, shutdown_timeout, log_level)
     aeng.on_fatal = lambda why: setattr(server, "should_exit", True)
     try: server.run()
-    finally: aeng.engine.close()
+    finally:
+        if aeng.engine is not None: aeng.engine.close()
+    if aeng.load_error is not None: raise aeng.load_error    # the model or config could not be loaded (the CLI says which flag)
     if server.started is False: raise OSError(f"could not serve on {host}:{port} (see the log above)")
     if aeng.fatal:
         print(f"hetero-infer: error: the engine stopped: {aeng.fatal}", file=sys.stderr, flush=True)
