@@ -90,7 +90,7 @@ mutation: setup
 	  CI=true OMP_NUM_THREADS=1 $(TEST_ENV) nice -n 19 $(BIN)/mutmut run --max-children 2 "hetero_infer.$$m.*" \
 	    >mutants/run-$$m.log 2>&1 || { tr '\r' '\n' <mutants/run-$$m.log | tail -40; echo "mutmut run failed for $$m"; exit 1; }; \
 	  echo "mutmut's summary (checked/total over all modules  killed no-tests timeout suspicious survived skipped type-check):"; \
-	  tr '\r' '\n' <mutants/run-$$m.log | grep -v '^[[:space:]]*$$' | tail -2; done
+	  tr '\r' '\n' <mutants/run-$$m.log | grep -E '[0-9]+/[0-9]+ +🎉|mutations/second' | tail -2; done
 	@$(BIN)/mutmut results --all true >mutants/results.txt || { echo "mutmut results failed"; exit 1; }
 	@for m in $(MUTATION_MODULES); do awk -v m="hetero_infer.$$m." 'index($$1,m)==1 { st=$$0; sub(/^[^:]*: /,"",st); c[st]++ } \
 	  END { chk=c["killed"]+c["survived"]+c["timeout"]+c["suspicious"]+c["segfault"]; \

@@ -151,8 +151,10 @@ def compile_spec(spec: KernelSpec) -> dict:
         return dict(regs=get("REG"), spill_stores=len(re.findall(r"\bSTL\b", sass)), stack=get("STACK"),
                     shared=k.metadata.shared + get("SHARED"), seconds=time.time() - t0, error="")
     except Exception as e:   # a compile error is a result: the report names the spec that failed
+        lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()] or [""]
+        where = f"{lines[0]} " if len(lines) > 1 else ""   # Triton's "at line:col:", then the source, then the reason
         return dict(regs=-1, spill_stores=-1, stack=-1, shared=-1, seconds=time.time() - t0,
-                    error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300])
+                    error=f"{type(e).__name__}: {where}{lines[-1]}"[:300])
 
 def _worker():
     "Entry point of a compile process: KernelSpec dicts as JSON on stdin, one result per spec as JSON on stdout."

@@ -11,9 +11,9 @@ import triton.language as tl
 from .attention import AttentionBackend
 
 # %% auto #0
-__all__ = ['MAX_HEAD_DIM', 'LOG2E', 'block_d', 'triton_write_kv', 'KernelTiles', 'uses_tensor_cores', 'supports_bf16',
-           'attention_tiles', 'num_decode_splits', 'triton_paged_decode_attention', 'triton_paged_prefill_attention',
-           'TritonAttentionBackend', 'triton_unsupported', 'decode_bytes']
+__all__ = ['MAX_HEAD_DIM', 'LOG2E', 'NO_WINDOW', 'block_d', 'triton_write_kv', 'KernelTiles', 'uses_tensor_cores',
+           'supports_bf16', 'attention_tiles', 'num_decode_splits', 'triton_paged_decode_attention',
+           'triton_paged_prefill_attention', 'TritonAttentionBackend', 'triton_unsupported', 'decode_bytes']
 
 # %% ../nbs/04_paged_attention_triton.ipynb #3cc75f71
 MAX_HEAD_DIM = 256   # the largest head the kernels' register and shared-memory tiles are sized for
@@ -94,8 +94,16 @@ def attention_tiles(kind: str,                     # "decode" or "prefill"
         if kind == "decode": return KernelTiles(16, 32 if wide else 64, 4, 2 if wide else 3)
         return KernelTiles(32 if wide else 64, 64 if bd <= 64 else 32, 4, 2 if wide else 3)
     # FMA: both dot operands are held in registers, so tiles are smaller
-    if kind == "decode": return KernelTiles(16, 16 if wide else 32, 4, 2)
+    if kind == "decode": return KernelTiles(16, 16 if bd >= 128 else 32, 4, 2)
     return KernelTiles(16, 16 if wide else 32, 4, 2)
+
+NO_WINDOW = 1 << 30   # a window no context reaches: full causal attention
+
+def _window(window: int | None) -> int:
+    "The kernels' window argument; raises naming window unless it is None or >= 1."
+    if window is None: return NO_WINDOW
+    if window < 1: raise ValueError(f"window must be >= 1 or None, got {window}")
+    return min(window, NO_WINDOW)
 
 @functools.lru_cache
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -108,17 +116,18 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, IS_FP32: t
     if IS_FP32: qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else: qk = tl.dot(q, tl.trans(k))                      # fp16/bf16 products are exact in the fp32 accumulator
     qk = tl.where(visible, qk.to(tl.float32) * scale_log2, float("-inf"))   # (rows, BLOCK_N), log2 units
-    m_new = tl.maximum(m_i, tl.max(qk, 1))                 # every tile has a visible key: m_new is finite
-    alpha = tl.exp2(m_i - m_new)                           # rescales what was summed under the old max
-    p = tl.exp2(qk - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(qk, 1))                 # -inf while a row has seen no visible key (sliding windows)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # such a row adds exp2(-inf) = 0 instead of NaN
+    alpha = tl.exp2(m_i - m_ref)                           # rescales what was summed under the old max
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if IS_FP32: pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else: pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
 
-@triton.jit(do_not_specialize=["num_splits", "G", "bs_log2", "stride_bt"])   # one binary for every batch shape
+@triton.jit(do_not_specialize=["num_splits", "G", "bs_log2", "window", "stride_bt"])   # one binary for every batch shape
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
-                   scale_log2, num_splits, G, D, bs_log2, stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
+                   scale_log2, num_splits, G, D, bs_log2, window, stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
                    stride_kb, stride_kt, stride_kh,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
@@ -126,8 +135,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, pm_ptr, p
     n_chunks = tl.cdiv(G, BLOCK_G)                         # more than BLOCK_G query heads per KV head: several programs
     h, c = hc // n_chunks, hc % n_chunks
     seq_len = tl.load(seqlen_ptr + s)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per piece
-    start = split * per_split
+    lo = tl.maximum(seq_len - window, 0)                   # the first key in the window (0 without one)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per piece
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     offs_g, offs_d, offs_n = c * BLOCK_G + tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     g_mask, d_mask = offs_g < G, offs_d < D                # real query heads; real channels of a padded head
@@ -194,9 +204,10 @@ def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one q
                                   seq_lens: torch.Tensor,     # (S,) int32 context length incl. this token
                                   scale: float,               # softmax scale, usually D ** -0.5
                                   num_splits: int | None = None,   # context pieces; None: `num_decode_splits`
-                                  max_seq_len: int | None = None   # max(seq_lens) if known, for the heuristic
+                                  max_seq_len: int | None = None,  # max(seq_lens) if known, for the heuristic
+                                  window: int | None = None        # sliding window: the query sees its last `window` keys
                                   ) -> torch.Tensor:          # (S, Hq, D) in q's dtype
-    "Paged decode attention: each sequence's single query over its whole context, split-K when the batch is small."
+    "Paged decode attention: each sequence's single query over its context (or window), split-K when the batch is small."
     S, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     _check_attention_inputs(q, k_cache, v_cache)
@@ -205,7 +216,7 @@ def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one q
     G = Hq // Hkv
     if num_splits is None:
         ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
-        num_splits = num_decode_splits(S, Hkv, ctx, _num_sms(q.device))
+        num_splits = num_decode_splits(S, Hkv, min(ctx, window or ctx), _num_sms(q.device))
     split = num_splits > 1
     t = attention_tiles("decode", D, q.dtype, _capability(q.device))
     if split:
@@ -215,7 +226,7 @@ def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one q
     else: pm = pl = pacc = out                                                        # unused
     _decode_kernel[(S, Hkv * triton.cdiv(G, t.block_m), num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, pm, pl, pacc,
-        scale * LOG2E, num_splits, G, D, bs.bit_length() - 1, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, num_splits, G, D, bs.bit_length() - 1, _window(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_G=t.block_m, BLOCK_D=block_d(D), BLOCK_N=t.block_n, SPLIT=split, IS_FP32=q.dtype == torch.float32,
         num_warps=t.num_warps, num_stages=t.num_stages)
@@ -224,8 +235,8 @@ def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one q
     return out
 
 # %% ../nbs/04_paged_attention_triton.ipynb #d248be9e
-@triton.jit(do_not_specialize=["G", "bs_log2", "stride_bt"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, scale_log2, G, D, bs_log2,
+@triton.jit(do_not_specialize=["G", "bs_log2", "window", "stride_bt"])
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, scale_log2, G, D, bs_log2, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):
     s, hq, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # sequence, query head, query tile
@@ -244,7 +255,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         end = tl.minimum(seq_len, seq_len - q_len + (mb + 1) * BLOCK_M)   # keys the tile's last query sees
-        for n0 in range(0, end, BLOCK_N):
+        lo = tl.maximum(seq_len - q_len + mb * BLOCK_M - window + 1, 0)  # the first key the tile's first query sees
+        for n0 in range(lo, end, BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < end
             blk = tl.load(bt_ptr + s * stride_bt + (pos >> bs_log2), mask=n_mask, other=0).to(tl.int64)
@@ -252,9 +264,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
             v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])                 # (BLOCK_M, BLOCK_N); key 0 is always visible
+            causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)  # (BLOCK_M, BLOCK_N)
             m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, IS_FP32)
-        out = acc / l_i[:, None]
+        out = acc / tl.where(m_mask, l_i, 1.0)[:, None]          # padding rows may see no key in a window; never stored
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -265,7 +277,8 @@ def triton_paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) 
                                    query_start_loc: torch.Tensor,  # (S+1,) int32 first row of each sequence in q
                                    seq_lens: torch.Tensor,         # (S,) int32 context length incl. the new tokens
                                    scale: float,                   # softmax scale
-                                   max_query_len: int | None = None  # max new tokens per sequence if known (saves a sync)
+                                   max_query_len: int | None = None,  # max new tokens per sequence if known (saves a sync)
+                                   window: int | None = None        # sliding window: query at p sees keys (p - window, p]
                                    ) -> torch.Tensor:              # (T, Hq, D) in q's dtype
     "Paged prefill attention: each sequence's new tokens (the last of its context) attend causally to the cache."
     T, Hq, D = q.shape
@@ -278,7 +291,7 @@ def triton_paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) 
     t = attention_tiles("prefill", D, q.dtype, _capability(q.device))
     grid = (S, Hq, triton.cdiv(max_query_len, t.block_m))
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
-                          Hq // Hkv, D, bs.bit_length() - 1, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          Hq // Hkv, D, bs.bit_length() - 1, _window(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                           block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=q.dtype == torch.float32,
                           num_warps=t.num_warps, num_stages=t.num_stages)
@@ -289,20 +302,18 @@ class TritonAttentionBackend(AttentionBackend):
     "Paged attention with the Triton kernels (CUDA, or CPU through `TRITON_INTERPRET=1`)."
     name = "triton"
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping): triton_write_kv(k, v, k_cache, v_cache, slot_mapping)
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None):
-        return triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len)
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None, max_seq_len=None):
-        return triton_paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len)
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=None):
+        return triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window)
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None, max_seq_len=None, window=None):
+        return triton_paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window)
 
 def triton_unsupported(head_dim: int,                 # the model's D
                        dtype: torch.dtype,            # the KV-cache dtype
-                       device: str | torch.device,    # where the model runs
-                       sliding_window: int | None = None  # the model's window, None when no layer slides
+                       device: str | torch.device     # where the model runs
                        ) -> str | None:
     "Why the Triton backend cannot run this model here (a sentence naming the field), or None when it can."
     device = torch.device(device)
     if not 1 <= head_dim <= MAX_HEAD_DIM: return f"head_dim={head_dim} is outside the Triton kernels' range [1, {MAX_HEAD_DIM}]"
-    if sliding_window is not None: return f"the Triton kernels have no sliding-window attention (sliding_window={sliding_window})"
     if device.type == "cuda":
         cap = _capability(device)
         if dtype == torch.bfloat16 and not supports_bf16(cap): return f"dtype=bfloat16 needs compute capability 8.0 or newer, this GPU has {cap[0]}.{cap[1]}"

@@ -288,7 +288,7 @@ def attention_backend_for(name: str, c: ModelConfig, dtype: torch.dtype, device)
     b = get_attention_backend(name, device)
     if b.name != "triton": return b
     from hetero_infer.kernels import triton_unsupported
-    why = triton_unsupported(c.head_dim, dtype, device, c.sliding_window)
+    why = triton_unsupported(c.head_dim, dtype, device)
     if why is None: return b
     if name == "triton": raise ValueError(f"attention_backend='triton' cannot run this model: {why}")
     warnings.warn(f"{why}: using the torch attention backend")

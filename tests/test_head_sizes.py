@@ -1,5 +1,6 @@
 """Models whose head size is not a power of two (80, 96: Phi-2, StableLM, GPT-NeoX-style) equal transformers through
-both attention backends (the Triton one under the interpreter), and the backend choice follows what the kernels support."""
+both attention backends (the Triton one under the interpreter), and the backend choice follows what the kernels support.
+(Sliding-window models through both backends: tests/test_engine.py::test_sliding_window_equals_transformers.)"""
 import os, warnings
 import pytest, torch
 from hetero_infer.attention import AttentionMetadata
@@ -41,9 +42,11 @@ def test_backend_choice_follows_the_kernels():
     "auto never picks a backend that fails: it falls back to torch with a warning; an explicit triton is refused by name."
     wide = ModelConfig("LlamaForCausalLM", 256, 1280, 512, 1, 4, 4, 320)
     window = ModelConfig("MistralForCausalLM", 256, 64, 128, 1, 4, 2, 16, sliding_window=8, layer_windows=[8])
-    for c, field in ((wide, "head_dim=320"), (window, "sliding_window=8")):
-        with pytest.raises(ValueError, match=field): attention_backend_for("triton", c, torch.float16, "cpu" if INTERP else "cuda")
-        assert attention_backend_for("torch", c, torch.float16, "cpu").name == "torch"
+    dev = "cpu" if INTERP else "cuda"
+    with pytest.raises(ValueError, match="head_dim=320"): attention_backend_for("triton", wide, torch.float16, dev)
+    assert attention_backend_for("torch", wide, torch.float16, "cpu").name == "torch"
+    if INTERP or torch.cuda.is_available():   # sliding windows run on the Triton kernels too
+        assert attention_backend_for("triton", window, torch.float16, dev).name == "triton"
     if torch.cuda.is_available():   # on CUDA, auto would choose Triton: it must fall back instead
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")

@@ -18,7 +18,7 @@ def test_every_specialization_compiles_fits_and_does_not_spill():
     assert set(report.arch) == set(ARCHS) and (report.regs <= 255).all() and (report.blocks_per_sm >= 1).all()
 
 def test_a_broken_kernel_fails_by_name(tmp_path):
-    "A kernel the interpreter runs but a GPU compile rejects (an 8-row tl.dot) is reported with its name, constexprs and target."
+    "A kernel the interpreter runs but a GPU compile rejects (an 8 x 8 tl.dot: its inner dimension is under 16) is reported with its name, constexprs and target."
     (tmp_path / "broken_kernels.py").write_text(textwrap.dedent('''
         import triton, triton.language as tl
         @triton.jit
@@ -30,7 +30,7 @@ def test_a_broken_kernel_fails_by_name(tmp_path):
     spec = KernelSpec("write_kv", "float16", "sm_90", (64,), dict(BLOCK=8), module="broken_kernels", fn="_small_dot_kernel")
     report = compile_report([spec], jobs=1, env={"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     problems = report_problems(report)
-    assert len(problems) == 1 and "_small_dot_kernel[BLOCK=8]" in problems[0] and "sm_90" in problems[0], problems
+    assert len(problems) == 1 and "_small_dot_kernel[BLOCK=8]" in problems[0] and "sm_90" in problems[0] and "K >= 16" in problems[0], problems
 
 class _Recorder:
     "Stands in for a @triton.jit kernel: records the constexprs and launch options of each launch, runs nothing."
