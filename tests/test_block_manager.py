@@ -400,7 +400,7 @@ def test_copies_of_one_block_for_two_forks_are_unpinned_in_full():
     kids = [p.fork(i, i) for i in (1, 2)]
     for k in kids: bm.fork(p, k)
     copies = [bm.append_slots(k, 5)[1] for k in kids]
-    assert [len(c) for c in copies] == [2, 2] and len(bm.pins) == 2
+    assert [len(c) for c in copies] == [2, 2] and len(bm.pins) == 2 and bm.stats.cow_copies == 4
     for k in kids: bm.commit(k, 5)
     assert not bm.pins and not bm.cow_pending
     for s in (p, *kids): bm.free(s)
@@ -448,3 +448,28 @@ def test_without_prefix_caching_commit_publishes_nothing():
     assert not bm.cached and all(b.hash is None for b in bm.blocks)
     bm.free(a)
     assert not bm.evictable and sorted(bm.free_ids) == [0, 1, 2, 3]
+
+def test_constructor_bounds_name_the_field():
+    for args, msg in (((0, 4), "num_blocks must be an integer >= 1, got 0"), ((4, 0), "block_size must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError, match=msg): BlockManager(*args)
+
+def test_allocate_counts_evictable_prefix_hits_against_the_pool():
+    "Reusing an evictable cached block takes it out of the pool too: a request needing more than the pool is refused, state unchanged."
+    bm = BlockManager(3, 4)
+    a = mkseq(0, range(8)); bm.allocate(a); bm.append_slots(a, 8); bm.commit(a, 8); bm.free(a)   # 2 evictable, 1 free
+    x = mkseq(1, [50]); bm.allocate(x)                                                             # takes the free block
+    b = mkseq(2, list(range(8)) + [1, 2, 3, 4, 5])                     # hits a's 2 blocks, needs 2 more: 4 > 2
+    before = manager_state(bm)
+    with pytest.raises(NoFreeBlocksError, match=r"sequence 2 needs 4 blocks \(2 new\), 2 free"): bm.allocate(b)
+    assert manager_state(bm) == before
+    same_id = mkseq(1, [60])                                           # empty table, but id 1 holds blocks here
+    with pytest.raises(ValueError, match="sequence 1 already holds blocks"): bm.allocate(same_id)
+
+def test_stats_count_each_allocation():
+    bm = BlockManager(6, 4)
+    a = mkseq(0, range(9)); bm.allocate(a); bm.append_slots(a, 9); bm.commit(a, 9)     # publishes blocks 0 and 1
+    b = mkseq(1, range(8)); bm.allocate(b)                             # 8 tokens: may reuse 1 block (one token left to compute)
+    c = mkseq(2, range(9)); bm.allocate(c)                             # 9 tokens: reuses 2 blocks
+    st = bm.stats
+    assert (st.allocations, st.blocks_allocated, st.cache_queries, st.cache_hits, st.cached_tokens) == (3, 5, 2 + 1 + 2, 3, 12)
+    assert st.hit_rate == 3 / 5
