@@ -11,8 +11,8 @@ import torch
 from .kernels import attention_tiles, block_d, supports_bf16
 
 # %% auto #0
-__all__ = ['ARCHS', 'KERNELS', 'DTYPES', 'HEAD_DIMS', 'GpuArch', 'occupancy', 'KernelSpec', 'kernel_specs', 'launch_specs',
-           'compile_spec', 'compile_report', 'report_problems']
+__all__ = ['ARCHS', 'KERNELS', 'DTYPES', 'HEAD_DIMS', 'USAGE_CACHE', 'GpuArch', 'occupancy', 'KernelSpec', 'kernel_specs',
+           'launch_specs', 'compile_spec', 'compile_report', 'report_problems']
 
 # %% ../nbs/04a_kernel_resources.ipynb #70760dc1
 @dataclass(frozen=True)
@@ -131,6 +131,24 @@ def _nvidia_tool(name: str) -> str:
     if shutil.which(name): return shutil.which(name)
     raise FileNotFoundError(f"{name} is in neither the triton wheel nor PATH")
 
+USAGE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hetero_infer", "kernel_usage")
+
+def _cubin_usage(k) -> dict:
+    "Registers, spill stores, stack and static shared bytes of a compiled kernel, read with cuobjdump; cached by the binary's hash."
+    path = os.path.join(USAGE_CACHE, f"{k.hash}.json")       # Triton's hash of source, signature, target, options, version
+    if os.path.exists(path):
+        with open(path) as f: return json.load(f)
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f: f.write(k.asm["cubin"])
+        out = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    get = lambda key: int(re.search(rf"\b{key}:(\d+)", out).group(1))
+    usage = dict(regs=get("REG"), spill_stores=len(re.findall(r"\bSTL\b", out)), stack=get("STACK"), static_shared=get("SHARED"))
+    os.makedirs(USAGE_CACHE, exist_ok=True)
+    with open(path + f".{os.getpid()}", "w") as f: json.dump(usage, f)
+    os.replace(path + f".{os.getpid()}", path)                # atomic: parallel workers never read half a file
+    return usage
+
 def compile_spec(spec: KernelSpec) -> dict:
     "Compile one spec for its target; registers, spill stores, stack bytes, shared bytes and seconds, or the error."
     import importlib, triton
@@ -142,14 +160,9 @@ def compile_spec(spec: KernelSpec) -> dict:
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(spec.constexprs), attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32),
                            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.cubin")
-            with open(path, "wb") as f: f.write(k.asm["cubin"])
-            usage = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
-            sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
-        get = lambda key: int(re.search(rf"\b{key}:(\d+)", usage).group(1))
-        return dict(regs=get("REG"), spill_stores=len(re.findall(r"\bSTL\b", sass)), stack=get("STACK"),
-                    shared=k.metadata.shared + get("SHARED"), seconds=time.time() - t0, error="")
+        u = _cubin_usage(k)
+        return dict(regs=u["regs"], spill_stores=u["spill_stores"], stack=u["stack"], shared=k.metadata.shared + u["static_shared"],
+                    seconds=time.time() - t0, error="")
     except Exception as e:   # a compile error is a result: the report names the spec that failed
         lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()] or [""]
         where = f"{lines[0]} " if len(lines) > 1 else ""   # Triton's "at line:col:", then the source, then the reason
