@@ -135,8 +135,9 @@ USAGE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("
 
 def _cubin_usage(k) -> dict:
     "Registers, spill stores, stack and static shared bytes of a compiled kernel, read with cuobjdump; cached by the binary's hash."
-    path = os.path.join(USAGE_CACHE, f"{k.hash}.json")       # Triton's hash of source, signature, target, options, version
-    if os.path.exists(path):
+    key = getattr(k.metadata, "hash", None) or getattr(k, "hash", None)   # Triton's hash of source, signature, target, options, version
+    path = os.path.join(USAGE_CACHE, f"{key}.json")
+    if key and os.path.exists(path):
         with open(path) as f: return json.load(f)
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
@@ -144,6 +145,7 @@ def _cubin_usage(k) -> dict:
         out = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", "-sass", cubin], capture_output=True, text=True, check=True).stdout
     get = lambda key: int(re.search(rf"\b{key}:(\d+)", out).group(1))
     usage = dict(regs=get("REG"), spill_stores=len(re.findall(r"\bSTL\b", out)), stack=get("STACK"), static_shared=get("SHARED"))
+    if not key: return usage
     os.makedirs(USAGE_CACHE, exist_ok=True)
     with open(path + f".{os.getpid()}", "w") as f: json.dump(usage, f)
     os.replace(path + f".{os.getpid()}", path)                # atomic: parallel workers never read half a file
