@@ -367,3 +367,24 @@ def test_aborting_a_group_with_a_parked_sibling_frees_everything(caching):
     sch.abort("r")
     bm = sch.block_manager
     assert bm.num_free_blocks() == bm.num_blocks and not bm.lent and not bm.seqs and not sch._parked and not sch.has_unfinished()
+
+
+# --- found by mutation testing (make mutation): `add`'s boundaries and its num_blocks message ---------------------------
+
+def _req(rid, n_prompt, n=1, max_tokens=1):
+    return Sequence(hash(rid) & 0xFFFF, rid, list(range(n_prompt)), n_prompt, SamplingParams(n=n, max_tokens=max_tokens))
+
+def test_add_accepts_exactly_max_model_len_and_max_admitted_seqs():
+    sch = make_sched(num_blocks=8, block_size=4, max_model_len=8, max_admitted_seqs=2)
+    sch.add(_req("full", 8))                                             # exactly max_model_len tokens
+    with pytest.raises(ValueError, match="max_model_len"): sch.add(_req("long", 9))
+    sch2 = make_sched(num_blocks=8, block_size=4, max_num_seqs=2, max_admitted_seqs=2)
+    sch2.add(_req("pair", 4, n=2))                                       # n == max_admitted_seqs
+    with pytest.raises(ValueError, match="max_admitted_seqs"): make_sched(max_num_seqs=4, max_admitted_seqs=2).add(_req("trio", 4, n=3))
+
+def test_num_blocks_refusal_counts_the_shared_prompt_blocks():
+    sch = make_sched(num_blocks=3, block_size=4)
+    with pytest.raises(ValueError, match=r"may need 4 KV blocks \(15 tokens of KV for each of n=1 completions, sharing 0 full prompt blocks\)"):
+        sch.add(_req("one", 8, n=1, max_tokens=8))
+    with pytest.raises(ValueError, match=r"may need 4 KV blocks \(10 tokens of KV for each of n=2 completions, sharing 2 full prompt blocks\)"):
+        sch.add(_req("two", 8, n=2, max_tokens=3))
