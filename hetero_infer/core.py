@@ -11,8 +11,8 @@ from typing import Any
 
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'HPI_KEYS', 'TOKENIZER_KINDS',
-           'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig', 'is_hpi_format', 'from_json',
-           'to_json', 'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput', 'RequestMetrics',
+           'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig', 'is_hpi_format', 'to_json',
+           'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput', 'RequestMetrics',
            'RequestOutput']
 
 # %% ../nbs/00_core.ipynb #2c4dbc4b
@@ -219,8 +219,7 @@ def _from_dict(cls, d: dict) -> EngineConfig:
 
 def _to_dict(self: EngineConfig) -> dict: return asdict(self)
 
-@classmethod
-def from_json(cls, src: str | Path | dict) -> EngineConfig:
+def _from_json(cls, src: str | Path | dict) -> EngineConfig:
     "Load a config from a JSON file path, a JSON string, or a dict, in our format or hetero-paged-infer's."
     if not isinstance(src, (str, Path)): return _from_dict(cls, src)
     if isinstance(src, str) and src.lstrip().startswith("{"): text = src
@@ -237,7 +236,8 @@ def to_json(self: EngineConfig, path: str | Path | None = None) -> str:
     if path is not None: Path(path).write_text(s)
     return s
 
-EngineConfig.from_json, EngineConfig.to_json, EngineConfig.to_dict = from_json, to_json, _to_dict
+EngineConfig.from_json = classmethod(_from_json)   # attached, not decorated: mutmut mutates decorated functions badly
+EngineConfig.to_json, EngineConfig.to_dict = to_json, _to_dict
 
 # %% ../nbs/00_core.ipynb #9e69ea3e
 class QueueFullError(RuntimeError):
