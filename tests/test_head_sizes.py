@@ -3,9 +3,9 @@ both attention backends (the Triton one under the interpreter), and the backend 
 (Sliding-window models through both backends: tests/test_engine.py::test_sliding_window_equals_transformers.)"""
 import os, warnings
 import pytest, torch
-from hetero_infer.attention import AttentionMetadata
 from hetero_infer.core import EngineConfig
 from hetero_infer.model import ModelConfig, ModelRunner, attention_backend_for, load_model, tiny_hf_checkpoint
+from test_model import paged_logits
 
 import transformers
 transformers.utils.logging.disable_progress_bar()
@@ -14,17 +14,7 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 def logits_paged(model, ids, prefill_len, bs=4, num_blocks=16):
     "ids[:prefill_len] as one prefill, then one decode step per further token, over a shuffled block table."
-    c = model.config
-    caches = [tuple(torch.zeros(num_blocks, bs, c.num_kv_heads, c.head_dim) for _ in "kv") for _ in range(c.num_layers)]
-    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))[:-(-len(ids) // bs)].tolist()
-    out = []
-    with torch.inference_mode():
-        meta = AttentionMetadata.build([prefill_len], [prefill_len], [table], bs)
-        out.append(model.compute_logits(model(ids[:prefill_len], torch.arange(prefill_len), caches, meta)))
-        for t in range(prefill_len, len(ids)):
-            meta = AttentionMetadata.build([t + 1], [1], [table], bs)
-            out.append(model.compute_logits(model(ids[t:t + 1], torch.tensor([t]), caches, meta)))
-    return torch.cat(out)
+    return paged_logits(model, ids, prefill_len, bs, num_blocks, seed=1)
 
 @pytest.mark.parametrize("family,head_dim", [("llama", 80), ("qwen2", 96)])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
