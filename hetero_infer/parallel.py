@@ -178,13 +178,13 @@ def run_step(runner: ModelRunner, step) -> torch.Tensor | None:
     copies, inputs = step
     runner.copy_blocks(copies)
     if inputs is None: return None
-    input_ids, positions, meta, rows = (t.to(runner.device) if torch.is_tensor(t) else t for t in inputs)
-    if runner.device.type == "cuda": meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(runner.device) for f in dataclasses.fields(meta) if torch.is_tensor(getattr(meta, f.name))})
+    input_ids, positions, meta, rows = (t.to(runner.device) if torch.is_tensor(t) else _meta_to(t, runner.device) for t in inputs)
     hidden = runner.model(input_ids, positions, runner.kv_caches, meta)   # (T, hidden), equal on every rank
     return runner.model.compute_logits(hidden[rows])                      # (N, vocab)
 
-def _cpu(meta):
-    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cpu() for f in dataclasses.fields(meta) if torch.is_tensor(getattr(meta, f.name))})
+def _meta_to(meta, device):
+    "`AttentionMetadata` with its tensors on `device` (the broadcast pickles CPU tensors)."
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta) if torch.is_tensor(getattr(meta, f.name))})
 
 class TensorParallelRunner(ModelRunner):
     "Rank 0's runner: prepares each step, broadcasts it to the other ranks, and runs its own shard beside them."
@@ -215,7 +215,7 @@ class TensorParallelRunner(ModelRunner):
         inputs = None
         if sched_out.scheduled:
             ids, pos, meta, rows = self.prepare(sched_out)
-            inputs = (ids.cpu(), pos.cpu(), _cpu(meta), rows.cpu())
+            inputs = (ids.cpu(), pos.cpu(), _meta_to(meta, "cpu"), rows.cpu())
         try:
             out = run_step(self, _broadcast((list(sched_out.block_copies), inputs)))
         except Exception as e:   # the ranks may now disagree on where they are: no later step can be trusted
