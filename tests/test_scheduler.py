@@ -388,3 +388,52 @@ def test_num_blocks_refusal_counts_the_shared_prompt_blocks():
         sch.add(_req("one", 8, n=1, max_tokens=8))
     with pytest.raises(ValueError, match=r"may need 4 KV blocks \(10 tokens of KV for each of n=2 completions, sharing 2 full prompt blocks\)"):
         sch.add(_req("two", 8, n=2, max_tokens=3))
+
+# Behaviours a mutation run of the scheduler (make mutation MUTATION_MODULES=scheduler) found unpinned.
+def _seq(sid, rid, n_prompt=4, n=1):
+    return Sequence(sid, rid, list(range(n_prompt)), n_prompt, SamplingParams(n=n, max_tokens=4))
+
+def test_finish_counts_stops_and_aborts_and_refuses_twice():
+    sch = make_sched()
+    a, b, c, d = _seq(1, "a"), _seq(2, "b"), _seq(3, "c"), _seq(4, "d")
+    for s in (a, b, c, d): sch.add(s)
+    sch.update(sch.schedule())                                          # all four running
+    sch.finish(a)
+    sch.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert (sch.stats.finished, sch.stats.aborted) == (1, 1)
+    sch.finish(c, SequenceStatus.FINISHED_LENGTH)
+    sch.finish(d, SequenceStatus.FINISHED_ABORTED)
+    assert (sch.stats.finished, sch.stats.aborted) == (2, 2) and not sch.running
+    with pytest.raises(ValueError, match="sequence 1 is already finished"): sch.finish(a)
+    with pytest.raises(ValueError, match="status must be a finished status"): sch.finish(_seq(5, "e"), SequenceStatus.RUNNING)
+
+def test_finishing_a_waiting_sequence_removes_only_it():
+    sch = make_sched()
+    a, b = _seq(1, "a"), _seq(2, "b")
+    sch.add(a); sch.add(b)                                              # both still waiting
+    sch.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert list(sch.waiting) == [a] and b.status is SequenceStatus.FINISHED_ABORTED and sch.num_admitted() == 1
+
+def test_abort_adds_every_sequence_of_the_request_to_the_count():
+    sch = make_sched()
+    sch.add(_seq(1, "a")); sch.add(_seq(2, "b"))
+    assert [s.seq_id for s in sch.abort("a")] == [1] and sch.stats.aborted == 1
+    assert [s.seq_id for s in sch.abort("b")] == [2] and sch.stats.aborted == 2
+    assert sch.abort("b") == [] and sch.stats.aborted == 2
+
+def test_fork_of_a_waiting_parent_joins_right_behind_its_request():
+    sch = make_sched()
+    p, x = _seq(1, "p", n=3), _seq(2, "x")
+    sch.add(p); sch.add(x)
+    c1, c2 = p.fork(10, 1), p.fork(11, 2)
+    sch.fork(p, c1); sch.fork(p, c2)
+    assert [s.seq_id for s in sch.waiting] == [1, 10, 11, 2] and c1.status is WAITING
+    assert sch.num_admitted() == 4                                      # the request's three seats and x
+    for s in (c1, c2, p): sch.finish(s)
+    assert sch.num_admitted() == 1 and "p" not in sch._members          # the request's bookkeeping goes with its last sequence
+
+def test_fork_of_a_finished_parent_is_refused():
+    sch = make_sched()
+    p = _seq(1, "p", n=2)
+    sch.add(p); sch.finish(p)
+    with pytest.raises(ValueError, match="cannot fork finished sequence 1"): sch.fork(p, p.fork(2, 1))
