@@ -230,7 +230,8 @@ class TensorParallelRunner(ModelRunner):
         "Tell the workers to stop, wait for them, and leave the process group."
         if self.closed and not self.workers: return
         try:
-            if not self.closed and not self.broken and all(p.is_alive() for p in self.workers): _broadcast(None)
+            if not self.closed and not self.broken and all(p.is_alive() for p in self.workers):
+                _broadcast(None); dist.barrier()   # every rank has left its loop before any tears its group down
         except Exception: pass   # a broken group: the workers are killed below
         self.closed = True
         for p in self.workers:
@@ -270,6 +271,7 @@ def rank_runner(config, rank: int, world_size: int) -> ModelRunner:
 def worker_loop(runner: ModelRunner) -> None:
     "A worker rank: run every step rank 0 broadcasts, until it sends None."
     while (step := _broadcast(None)) is not None: run_step(runner, step)
+    dist.barrier()                         # matches rank 0's, so no rank tears the group down mid-exchange
 
 def init_group(rank: int, world_size: int, init_method: str, device: str, timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
     "Join the process group: NCCL on CUDA, gloo on CPU; every collective raises after `timeout` seconds instead of hanging."
