@@ -4,15 +4,16 @@
 
 # %% ../nbs/03_attention_reference.ipynb #aec7eeba
 from __future__ import annotations
-import warnings
+import importlib, warnings
 from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['BUCKET_BYTES', 'ATTENTION_BACKENDS', 'write_kv', 'gather_kv', 'attention_buckets', 'AttentionBucket',
-           'plan_attention', 'bucketed_attention', 'bucket_keys', 'paged_decode_attention', 'paged_prefill_attention',
-           'AttentionMetadata', 'AttentionBackend', 'TorchAttentionBackend', 'get_attention_backend']
+__all__ = ['BUCKET_BYTES', 'ATTENTION_BACKENDS', 'BACKEND_PROVIDERS', 'write_kv', 'gather_kv', 'attention_buckets',
+           'AttentionBucket', 'plan_attention', 'bucketed_attention', 'bucket_keys', 'paged_decode_attention',
+           'paged_prefill_attention', 'AttentionMetadata', 'AttentionBackend', 'TorchAttentionBackend',
+           'register_attention_backend', 'get_attention_backend']
 
 # %% ../nbs/03_attention_reference.ipynb #02378569
 def write_kv(k: torch.Tensor,        # (T, Hkv, D) this step's keys
@@ -291,24 +292,35 @@ class TorchAttentionBackend(AttentionBackend):
 
 # %% ../nbs/03_attention_reference.ipynb #96db555f
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+BACKEND_PROVIDERS = {"triton": "hetero_infer.kernels"}     # backend -> the module that registers it when imported
+_backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
 
-def _triton_backend():
-    try: from .kernels import TritonAttentionBackend
-    except ImportError as e:
-        raise RuntimeError(f"attention backend 'triton' is unavailable: hetero_infer.kernels could not be imported ({e}); "
-                           "install triton or use name='torch'") from e
-    return TritonAttentionBackend()
+def register_attention_backend(name: str, # what `get_attention_backend(name)` will answer to
+                               cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    "Make `cls` the backend called `name`; a backend's module calls this when it is imported."
+    _backends[name] = cls
+    return cls
 
-def get_attention_backend(name: str = "auto",                   # "auto", "torch" or "triton"
+def _load_backend(name: str) -> AttentionBackend:
+    "An instance of backend `name`, importing the module that provides it (by name, on first use) if it has not registered yet."
+    if name not in _backends and name in BACKEND_PROVIDERS:
+        try: importlib.import_module(BACKEND_PROVIDERS[name])
+        except ImportError as e:
+            raise RuntimeError(f"attention backend {name!r} is unavailable: {BACKEND_PROVIDERS[name]} could not be imported ({e}); "
+                               "install triton or use name='torch'") from e
+    if name not in _backends: raise RuntimeError(f"attention backend {name!r} is unavailable: nothing registered it")
+    return _backends[name]()
+
+def get_attention_backend(name: str = "auto",                   # "auto", "torch", "triton", or any registered name
                           device: str | torch.device | None = None  # where the model runs; None: cuda if available
                           ) -> AttentionBackend:
     "The attention implementation to use: auto = Triton on CUDA, torch elsewhere."
-    if name not in ATTENTION_BACKENDS: raise ValueError(f"name must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    names = ("auto", *sorted(set(_backends) | set(BACKEND_PROVIDERS)))
+    if name not in names: raise ValueError(f"name must be one of {names}, got {name!r}")
     if device is None: device = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "torch": return TorchAttentionBackend()
-    if name == "triton": return _triton_backend()
+    if name != "auto": return _load_backend(name)
     if torch.device(device).type != "cuda": return TorchAttentionBackend()
-    try: return _triton_backend()
+    try: return _load_backend("triton")
     except RuntimeError as e:
         warnings.warn(f"{e}; falling back to the torch attention backend")
         return TorchAttentionBackend()

@@ -77,6 +77,7 @@ def run_demo(n: int = 16,                 # held-out prompts to answer
              seed: int = 1234,            # which held-out prompts
              model: str | Path | None = None,  # checkpoint directory; None is the shipped demo model
              max_tokens: int = 16,        # longest answer (the longest right one is 9 tokens with EOS)
+             use_tqdm: bool = True,       # show the engine's progress bar
              **engine_kwargs              # passed to `LLM`, e.g. dtype=..., block_size=...
             ) -> dict:
     "Answer `n` held-out prompts greedily with `LLM`, print each with right/wrong, accuracy and throughput; return the figures."
@@ -85,7 +86,7 @@ def run_demo(n: int = 16,                 # held-out prompts to answer
     llm = LLM(model, **engine_kwargs)     # model=None: the shipped demo model
     prompts = demo_prompts(n, seed)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=use_tqdm)
     seconds = time.perf_counter() - t0
     right = [check_answer(p, o.outputs[0].text) for p, o in zip(prompts, outs)]
     for p, o, r in zip(prompts, outs, right):

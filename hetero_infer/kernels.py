@@ -8,7 +8,7 @@ import functools, os
 from dataclasses import dataclass
 import torch, triton
 import triton.language as tl
-from .attention import AttentionBackend
+from .attention import AttentionBackend, register_attention_backend
 
 # %% auto #0
 __all__ = ['MAX_HEAD_DIM', 'LOG2E', 'NO_WINDOW', 'block_d', 'triton_write_kv', 'KernelTiles', 'uses_tensor_cores',
@@ -306,6 +306,8 @@ class TritonAttentionBackend(AttentionBackend):
         return triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window)
     def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None, max_seq_len=None, window=None):
         return triton_paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window)
+
+register_attention_backend("triton", TritonAttentionBackend)   # get_attention_backend("triton") finds it here
 
 def triton_unsupported(head_dim: int,                 # the model's D
                        dtype: torch.dtype,            # the KV-cache dtype
