@@ -14,9 +14,9 @@ import torch
 from .core import SamplingParams
 
 # %% auto #0
-__all__ = ['DEFAULT_WORKLOAD', 'CPU_WORKLOAD', 'DUMMY_CONFIGS', 'PEERS', 'PHASES', 'Timing', 'percentile', 'measure',
-           'measure_interleaved', 'machine_info', 'machine_label', 'Workload', 'random_workload', 'fit_workload',
-           'dummy_checkpoint', 'ours_job', 'run_ours', 'hf_static_job', 'run_hf_static', 'hf_cb_config',
+__all__ = ['DEFAULT_WORKLOAD', 'CPU_WORKLOAD', 'DUMMY_CONFIGS', 'PEERS', 'PHASES', 'SPECULATIVE_FLAGS', 'Timing', 'percentile',
+           'measure', 'measure_interleaved', 'machine_info', 'machine_label', 'Workload', 'random_workload',
+           'fit_workload', 'dummy_checkpoint', 'ours_job', 'run_ours', 'hf_static_job', 'run_hf_static', 'hf_cb_config',
            'hf_cb_manager', 'hf_cb_job', 'run_hf_cb', 'offline_bench', 'format_offline', 'RequestRecord',
            'poisson_arrivals', 'latency_stats', 'serve_metrics', 'run_load', 'serving', 'served_model', 'serve_bench',
            'format_serve', 'plot_rate_sweep', 'StepRecord', 'Trace', 'trace_engine', 'bench_engine', 'make_requests',
@@ -345,17 +345,22 @@ def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
 def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 16,
                   max_num_batched_tokens: int = 2048, block_size: int = 16, num_blocks: int | None = None,
                   enable_prefix_caching: bool = True, repeats: int = 3, warmup: int = 1, peers=PEERS,
-                  hf_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1, log=print) -> dict:
+                  hf_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
+                  speculative: dict | None = None,  # e.g. {"speculative_method": "ngram", "num_speculative_tokens": 3}: ours speculates, and ours without it is timed too
+                  log=print) -> dict:
     "Ours against transformers `generate` (static batches: equal size, and the best of a sweep) and transformers' continuous batching, timed in turns."
     from hetero_infer.engine import LLM
     unknown = set(peers) - set(PEERS)
     if unknown: raise ValueError(f"peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
-    llm = LLM(str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
-              tensor_parallel_size=tensor_parallel_size)
+    common = dict(device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                  block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size)
+    llm = LLM(str(model_dir), **common, **(speculative or {}))
     cfg = llm.engine.config
     log(f"ours: max_num_seqs={max_num_seqs}, {len(wl)} requests ...")
     jobs = {"ours": ours_job(llm, wl)}
+    if speculative:
+        plain = LLM(str(model_dir), **common)
+        jobs["ours-plain"] = ours_job(plain, wl)
     hf = _hf_model(model_dir, device, dtype) if peers else None
     best, sweep = max_num_seqs, None
     if "hf-static" in peers or "hf-best" in peers:
@@ -377,7 +382,12 @@ def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = 
             jobs["hf-cb"] = hf_cb_job(stack.enter_context(hf_cb_manager(hf, cbc)), wl)
         t = measure_interleaved(jobs, repeats, warmup, _sync(device))        # ours, theirs, ours, theirs, ...
     tp = f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
-    rows = [_row(f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs}{tp})", "ours", t["ours"], wl, batch_size=max_num_seqs)]
+    sd = ", ".join(f"{k}={v}" for k, v in (speculative or {}).items() if v is not None)
+    rows = [_row(f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs}{tp}{', ' + sd if sd else ''})", "ours", t["ours"], wl, batch_size=max_num_seqs,
+                 **({"speculative": llm.engine.stats["speculative"]} if speculative else {}))]
+    if speculative:
+        rows.append(_row(f"hetero_infer without speculative decoding (max_num_seqs={max_num_seqs}{tp})", "ours-plain", t["ours-plain"], wl, batch_size=max_num_seqs))
+        plain.close()
     if "hf-static" in peers:
         rows.append(_row(f"transformers generate, static batches of {max_num_seqs} (equal batch)", "hf-static", t["hf-static"], wl, batch_size=max_num_seqs))
     if "hf-best" in peers:
@@ -392,7 +402,7 @@ def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = 
             "config": {"device": device, "dtype": dtype, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                        "block_size": block_size, "num_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len,
                        "enable_prefix_caching": enable_prefix_caching, "repeats": repeats, "warmup": warmup,
-                       "tensor_parallel_size": tensor_parallel_size},
+                       "tensor_parallel_size": tensor_parallel_size, **(speculative or {})},
             "results": rows}
 
 def format_offline(res: dict) -> str:
@@ -406,6 +416,9 @@ def format_offline(res: dict) -> str:
     for r in res["results"]:
         lines.append(f"{r['system']:<88} {r['output_tok_s']:>10.0f} {r['total_tok_s']:>11.0f} {_fmt_s(r['timing']['median_s']):>10} "
                      f"{r['timing']['spread']:>7.0%} {r['ours_over_this']:>8.2f}x")
+        if "speculative" in r:
+            s = r["speculative"]
+            lines.append(f"  speculative decoding: acceptance rate {s['acceptance_rate']:.0%}, {s['mean_accepted_length']:.2f} tokens per verification")
     return "\n".join(lines)
 
 # %% ../nbs/11_benchmarks.ipynb #5f39627d
@@ -825,6 +838,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                                                           "(default: max_num_seqs / 4, / 2, x 2 and all requests at once)")
     o.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, which follows OMP_NUM_THREADS)")
     o.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="processes our engine splits the model across (13_tensor_parallel; the transformers peers run in one process) (default: 1)")
+    _speculative_args(o)
     s = sub.add_parser("serve", help="latency and throughput of a server under Poisson load (TTFT, TPOT, ITL, E2E, goodput)",
                        description="Streams the workload to an OpenAI-compatible server with Poisson arrivals at each rate and as a burst. "
                                    "Without --url it starts `hetero-infer serve` itself.")
@@ -838,6 +852,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target for time per output token, ms (default: 200)")
     s.add_argument("--serve-args", default="", help="extra arguments for the started hetero-infer serve, e.g. \"--max-num-seqs 32\" (default: none)")
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="processes the started hetero-infer serve splits the model across (default: 1)")
+    _speculative_args(s)
     s.add_argument("--plot", default=None, help="write the rate-sweep plot (PNG) to this file (default: none)")
 
 # %% ../nbs/11_benchmarks.ipynb #02c2a9ed
@@ -868,6 +883,25 @@ def _command_line(args) -> str:
     argv = getattr(args, "argv", None)
     return ("hetero-infer bench " + " ".join(map(shlex.quote, argv))) if argv is not None else " ".join(map(shlex.quote, ["hetero-infer", *sys.argv[1:]]))
 
+SPECULATIVE_FLAGS = ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min", "prompt_lookup_max")
+
+def _speculative_args(g):
+    "The speculative-decoding flags of `generate` and `serve` (12_speculative_decoding), for the engine under test."
+    from hetero_infer.core import SPECULATIVE_METHODS
+    g.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS, help="ours speculates: ngram (prompt lookup) or draft; the offline run also times ours without it (default: off)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per sequence per step (default: the engine's, 3)")
+    g.add_argument("--speculative-model", default=None, help="draft checkpoint directory for --speculative-method draft (default: none)")
+    g.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram for ngram (default: the engine's, 1)")
+    g.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram for ngram (default: the engine's, 3)")
+
+def _speculative_config(args) -> dict | None:
+    "The speculative fields given on the command line (checked by `EngineConfig`), or None when --speculative-method is not."
+    from hetero_infer.core import EngineConfig
+    given = {k: getattr(args, k) for k in SPECULATIVE_FLAGS if getattr(args, k) is not None}
+    if not given: return None
+    EngineConfig(**given)                                   # a ValueError naming the field, before anything loads
+    return given
+
 def _cmd_offline(args) -> int:
     from hetero_infer.model import resolve_device
     if args.threads is not None:
@@ -885,7 +919,8 @@ def _cmd_offline(args) -> int:
     print(f"threads: {torch.get_num_threads()} (torch intra-op), device {device}, dtype {dtype}")
     res = offline_bench(model, wl, device=device, dtype=dtype, max_num_seqs=mns, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                        repeats=args.repeats, warmup=args.warmup, peers=peers, hf_batch_sizes=sizes, tensor_parallel_size=args.tensor_parallel_size)
+                        repeats=args.repeats, warmup=args.warmup, peers=peers, hf_batch_sizes=sizes, tensor_parallel_size=args.tensor_parallel_size,
+                        speculative=_speculative_config(args))
     res["command"], res["note"] = _command_line(args), note
     print(); print(format_offline(res)); _write_json(res, args.output)
     return 0
@@ -898,6 +933,10 @@ def _cmd_serve(args) -> int:
     if note: print(note)
     serve_args = (["--model", model] if not args.url else []) + shlex.split(args.serve_args)
     if args.tensor_parallel_size != 1 and not args.url: serve_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    spec = _speculative_config(args)
+    if spec and args.url: raise ValueError("--speculative-method: a server given by --url runs as it was started; pass it to that server's serve")
+    for k, v in (spec or {}).items():
+        if v is not None: serve_args += ["--" + k.replace("_", "-"), str(v)]
     res = serve_bench(args.url, wl, rates, not args.no_burst, args.seed, args.slo_ttft_ms, args.slo_tpot_ms, serve_args,
                       args.served_model_name, args.api_key)
     res["command"], res["note"] = _command_line(args), note

@@ -8,7 +8,7 @@ import argparse, importlib.util, json, os, socket, sys
 from dataclasses import fields, MISSING
 from pathlib import Path
 
-from .core import EngineConfig, SamplingParams, ServingConfig, DTYPES, DEVICES, ATTENTION_BACKENDS, HPI_KEYS, is_hpi_format
+from .core import EngineConfig, SamplingParams, ServingConfig, DTYPES, DEVICES, ATTENTION_BACKENDS, HPI_KEYS, SPECULATIVE_METHODS, is_hpi_format
 
 # %% auto #0
 __all__ = ['ENGINE_FLAGS', 'COMMANDS', 'UsageError', 'build_parser', 'seed_argv', 'check_model_dir', 'check_device',
@@ -46,6 +46,11 @@ ENGINE_FLAGS = {
     "max_retry_attempts": (["--max-retry-attempts"], int, None, "retries of a request whose step raised, before it ends with an error"),
     "seed": (["--engine-seed"], int, None, "seed of the engine's default generator"),
     "tensor_parallel_size": (["--tensor-parallel-size", "-tp"], int, None, "processes one model is split across (tensor parallelism, 13_tensor_parallel)"),
+    "speculative_method": (["--speculative-method"], str, SPECULATIVE_METHODS, "speculative decoding: ngram (prompt lookup) or draft (a smaller model); 12_speculative_decoding (default: off)"),
+    "num_speculative_tokens": (["--num-speculative-tokens"], int, None, "tokens proposed per sequence per step when speculating"),
+    "speculative_model": (["--speculative-model"], str, None, "draft checkpoint directory for --speculative-method draft (default: none)"),
+    "prompt_lookup_min": (["--prompt-lookup-min"], int, None, "shortest n-gram --speculative-method ngram matches"),
+    "prompt_lookup_max": (["--prompt-lookup-max"], int, None, "longest n-gram --speculative-method ngram tries first"),
 }
 
 def _default(name: str):

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'HPI_KEYS', 'TOKENIZER_KINDS',
-           'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig', 'is_hpi_format', 'to_json',
-           'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput', 'RequestMetrics',
+__all__ = ['MAX_LOGPROBS', 'DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'SPECULATIVE_METHODS', 'HPI_KEYS',
+           'TOKENIZER_KINDS', 'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig', 'is_hpi_format',
+           'to_json', 'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput', 'RequestMetrics',
            'RequestOutput']
 
 # %% ../nbs/00_core.ipynb #2c4dbc4b
@@ -127,6 +127,11 @@ class EngineConfig:
     seed: int = 0                       # seed of the engine's default generator
     max_retry_attempts: int = 2         # retries of a request whose step raised, before it ends with finish_reason "error"
     tensor_parallel_size: int = 1       # processes (ranks) one model is split across (13_tensor_parallel)
+    speculative_method: str | None = None  # None, "ngram" (prompt lookup) or "draft" (a smaller model): 12_speculative_decoding
+    num_speculative_tokens: int = 3     # tokens proposed per sequence per step when speculating
+    speculative_model: str | None = None  # the draft checkpoint directory (speculative_method="draft")
+    prompt_lookup_min: int = 1          # shortest n-gram the ngram proposer matches
+    prompt_lookup_max: int = 3          # longest n-gram it tries first
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self):
@@ -148,6 +153,7 @@ class EngineConfig:
         _check(self.max_admitted_seqs is None or (_is_int(self.max_admitted_seqs) and self.max_admitted_seqs >= 1), "max_admitted_seqs", f"must be an integer >= 1 or None, got {self.max_admitted_seqs!r}")
         _check(_is_int(self.max_retry_attempts) and self.max_retry_attempts >= 0, "max_retry_attempts", f"must be an integer >= 0, got {self.max_retry_attempts!r}")
         _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        self._check_speculative()
         _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be an integer >= 1, got {self.max_num_batched_tokens!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1), "max_model_len", f"must be an integer >= 1 or None, got {self.max_model_len!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
@@ -156,6 +162,23 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
         _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+def _check_speculative(self: EngineConfig):
+    "The speculative-decoding fields agree with each other."
+    m = self.speculative_method
+    _check(m is None or m in SPECULATIVE_METHODS, "speculative_method", f"must be None or one of {SPECULATIVE_METHODS}, got {m!r}")
+    _check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+    _check(self.speculative_model is None or isinstance(self.speculative_model, (str, Path)), "speculative_model", f"must be a path or None, got {self.speculative_model!r}")
+    if isinstance(self.speculative_model, Path): self.speculative_model = str(self.speculative_model)
+    _check(m != "draft" or self.speculative_model is not None, "speculative_model", "must name the draft checkpoint directory when speculative_method is 'draft'")
+    _check(m == "draft" or self.speculative_model is None, "speculative_model", f"is only used with speculative_method='draft', got speculative_method={m!r}")
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, f"must be an integer >= 1, got {getattr(self, name)!r}")
+    _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+
+EngineConfig._check_speculative = _check_speculative
 
 def _build(cls, d: dict, prefix: str = ""):
     "Build dataclass `cls` from dict `d`, naming any unknown key."
@@ -277,6 +300,7 @@ class Sequence:
     num_computed_tokens: int = 0         # leading tokens whose KV is in the cache
     num_cached_tokens: int = 0           # of those, how many came from the prefix cache at admission
     num_preemptions: int = 0             # times this sequence was preempted (and recomputed)
+    num_spec_tokens: int = 0             # of token_ids, the last ones are proposals not yet verified (12_speculative_decoding)
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)

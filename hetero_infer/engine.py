@@ -20,6 +20,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .model import ModelRunner, dtype_name
 from .parallel import make_runner
 from .sampler import Sampler
+from .speculative import Speculator
 from .demo import DEMO_MODEL_DIR
 
 # %% auto #0
@@ -104,6 +105,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.speculator = (Speculator(config, self.runner.model.config.vocab_size, self.eos_token_ids)   # 12_speculative_decoding
+                           if config.speculative_method else None)
         self.requests: dict[str, _Request] = {}
         self._finished_aborts: list[RequestOutput] = []
         self._seq_ids = itertools.count()
@@ -173,27 +176,41 @@ LLMEngine.add_request, LLMEngine._track = add_request, _track
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Run one engine step; return the outputs of the requests it advanced (and of those aborted or failed since the last step)."
     outputs, self._finished_aborts = self._finished_aborts, []
+    spec = self.speculator
+    if spec is not None: spec.propose(self._spec_candidates())   # proposals join the decodes' token_ids
     sched = self.scheduler.schedule()
+    if spec is not None: spec.fit(sched)                    # keep the proposals the step has room for
     if not sched.scheduled: return outputs
     sampling = [it.seq for it in sched.scheduled if it.seq.num_computed_tokens + it.num_tokens == len(it.seq)]
+    verifying = [s for s in sampling if s.num_spec_tokens]
     try:
-        logits = self.runner.execute(sched)                 # (len(sampling), vocab)
-        rows, seqs = self._plan_forks(sampling)
-        out = self.sampler(logits[rows] if rows != list(range(len(rows))) else logits, seqs)
+        logits = self.runner.execute(sched)                 # (rows, vocab): one per sampling sequence, k + 1 for one verifying k proposals
+        if verifying: logits, verified = self._verify(logits, sampling, verifying)
+        rows, seqs = self._plan_forks([s for s in sampling if not s.num_spec_tokens])
+        out = self.sampler(logits[rows] if rows != list(range(len(rows))) else logits, seqs) if seqs else None
     except Exception as e:                                  # nothing has advanced: retry the step's requests, or fail them
+        if spec is not None: spec.abandon()
         return outputs + self._step_failed(sched, e)
+    if verifying: spec.rewind(sched, verifying, [v[0] for v in verified])
     self.scheduler.update(sched)                            # the KV is written: advance, and let its full blocks be cached
+    if verifying: spec.settle(self.block_manager, verifying, [v[0] for v in verified])
     seqs = self._commit_forks(seqs)
     now = time.monotonic()
     for it in sched.scheduled:
         m = self.requests[it.seq.request_id].metrics
         if m.first_scheduled_time is None: m.first_scheduled_time = now
-    touched = {}
+    touched, emitted = {}, len(seqs)
     for i, seq in enumerate(seqs):
         req = self.requests[seq.request_id]
         self._append(req, seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
         touched[req.request_id] = req
-    self.counters["steps"] += 1; self.counters["generation_tokens"] += len(seqs)
+    for seq, (toks, lps, tops) in (zip(verifying, verified) if verifying else ()):
+        req = touched[seq.request_id] = self.requests[seq.request_id]
+        for t, lp, top in zip(toks, lps, tops):             # each token through the stop checks: nothing after a stop
+            self._append(req, seq, t, lp, top); emitted += 1
+            if seq.finished: break
+    self.counters["steps"] += 1; self.counters["generation_tokens"] += emitted
+    if spec is not None and not self.scheduler.running: spec.proposer.drop(set())   # the draft's cache empties with the engine
     self.counters["batched_tokens"] += sched.num_batched_tokens
     return outputs + [self._output(r) for r in touched.values() if self.stream_outputs or r.finished]
 
@@ -236,7 +253,24 @@ def _step_failed(self: LLMEngine, sched: SchedulerOutput, err: Exception) -> lis
         outs.append(self._output(req))
     return outs
 
+def _spec_candidates(self: LLMEngine) -> list[Sequence]:
+    "Running sequences that may speculate: decoding (one token to compute) past their first output, with every fork of their request made."
+    return [s for s in self.scheduler.running if s.num_computed_tokens == len(s.token_ids) - 1 and s.num_output_tokens >= 1
+            and len(self.requests[s.request_id].seqs) == s.params.n]
+
+def _verify(self: LLMEngine, logits: torch.Tensor, sampling: list[Sequence], verifying: list[Sequence]):
+    "Split the step's logits: the verifying sequences' rows go to the speculator; the plain rows (one per other sequence) stay."
+    first, plain, spec_rows = 0, [], []
+    for s in sampling:
+        if s.num_spec_tokens: spec_rows += range(first, first + s.num_spec_tokens + 1)
+        else: plain.append(first)
+        first += s.num_spec_tokens + 1
+    dev = logits.device
+    verified = self.speculator.verify(self.sampler, logits[torch.tensor(spec_rows, device=dev)], verifying)
+    return logits[torch.tensor(plain, dtype=torch.long, device=dev)], verified
+
 LLMEngine.step, LLMEngine._plan_forks, LLMEngine._commit_forks, LLMEngine._step_failed = step, _plan_forks, _commit_forks, _step_failed
+LLMEngine._spec_candidates, LLMEngine._verify = _spec_candidates, _verify
 
 
 
@@ -317,7 +351,8 @@ def stats(self: LLMEngine) -> dict:
     return {**self.counters, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "kv_usage": self.block_manager.usage(), "num_blocks": self.config.num_blocks,
             "preemptions": self.scheduler.stats.preemptions,
-            "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate}}
+            "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
+            **({"speculative": self.speculator.stats} if self.speculator is not None else {})}
 
 LLMEngine._output, LLMEngine.abort_request, LLMEngine.stats = _output, abort_request, stats
 LLMEngine.has_unfinished_requests, LLMEngine.get_num_unfinished_requests = has_unfinished_requests, get_num_unfinished_requests

@@ -444,6 +444,13 @@ class ServerMetrics:
         yield C("num_failed_requests", "Requests that ended with an error (finish_reason 'error')", s.get("failed", 0))
         yield C("num_failed_steps", "Engine steps that raised (their requests were retried or failed)", s.get("failed_steps", 0))
         yield C("engine_steps", "Engine steps run", s.get("steps", 0))
+        if "speculative" in s:                                  # 12_speculative_decoding
+            sp = s["speculative"]
+            yield C("spec_decode_num_drafts", "Proposals verified (one per speculating sequence per step)", sp["num_drafts"])
+            yield C("spec_decode_num_draft_tokens", "Tokens proposed and verified", sp["num_draft_tokens"])
+            yield C("spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", sp["num_accepted_tokens"])
+            yield G("spec_decode_acceptance_rate", "Accepted / proposed tokens since start", sp["acceptance_rate"])
+            yield G("spec_decode_mean_accepted_length", "Tokens emitted per verification (accepted + 1) since start", sp["mean_accepted_length"])
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
