@@ -4,9 +4,8 @@
 
 # %% ../nbs/08_demo_model.ipynb #7bbd4eff
 from __future__ import annotations
-import random, re, time, zlib
+import importlib.util, random, re, time, zlib
 from pathlib import Path
-import hetero_infer
 
 # %% auto #0
 __all__ = ['LETTERS', 'TASKS', 'MIN_LEN', 'MAX_LEN', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE', 'DEMO_MODEL_DIR', 'is_held_out', 'solve',
@@ -64,7 +63,7 @@ def demo_prompts(n: int = 16, seed: int = 1234) -> list[str]:
     return [format_prompt(make_example(rng, held_out=True)[0]) for _ in range(n)]
 
 # %% ../nbs/08_demo_model.ipynb #b713e4b9
-DEMO_MODEL_DIR = Path(hetero_infer.__file__).parent / "demo_model"  # the shipped checkpoint, found next to the package's code
+DEMO_MODEL_DIR = Path(importlib.util.find_spec("hetero_infer").origin).parent / "demo_model"   # the shipped checkpoint, next to the package's code (found without importing the package)
 
 # %% ../nbs/08_demo_model.ipynb #0f2591aa
 def question_of(prompt: str) -> str:

@@ -1,0 +1,70 @@
+"""The package's modules import one another in one direction: no module reaches itself through imports.
+
+Every `import` counts, at module level or inside a function (a lazy import is still a dependency)."""
+import ast
+from pathlib import Path
+
+root = Path(__file__).resolve().parent.parent
+PKG = "hetero_infer"
+
+# TODO(issue 17): cycles being removed in the same pass; delete each entry as its cycle goes, then this set.
+KNOWN_CYCLES = {frozenset({"demo", "engine"})}   # engine takes DEMO_MODEL_DIR from demo, whose run_demo uses LLM
+
+def _modules() -> dict[str, Path]:
+    return {p.stem: p for p in (root / PKG).glob("*.py") if p.stem != "_modidx"}
+
+def import_graph() -> dict[str, set[str]]:
+    "module -> the package modules it imports (`__init__` for the package itself)."
+    mods, graph = _modules(), {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    parts = a.name.split(".")
+                    if parts[0] == PKG: deps.add(parts[1] if len(parts) > 1 and parts[1] in mods else "__init__")
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level == 1: base = f"{PKG}.{base}" if base else PKG
+                elif node.level > 1: continue
+                parts = base.split(".")
+                if parts[0] != PKG: continue
+                if len(parts) > 1: deps.add(parts[1] if parts[1] in mods else "__init__")
+                else: deps |= {a.name if a.name in mods else "__init__" for a in node.names}
+        graph[name] = deps - {name}
+    return graph
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    "The strongly connected components of more than one module (Tarjan)."
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+    def visit(v):
+        index[v] = low[v] = n[0]; n[0] += 1; stack.append(v); on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index: visit(w); low[v] = min(low[v], low[w])
+            elif w in on: low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop(); on.discard(w); comp.add(w)
+                if w == v: break
+            if len(comp) > 1: out.append(frozenset(comp))
+    for v in sorted(graph):
+        if v not in index: visit(v)
+    return out
+
+def test_no_import_cycle():
+    found = set(cycles(import_graph()))
+    assert found <= KNOWN_CYCLES, f"import cycles: {[sorted(c) for c in found - KNOWN_CYCLES]}"
+
+def test_known_cycles_still_exist():
+    "An entry of KNOWN_CYCLES that is gone must be deleted, so the list only shrinks."
+    assert KNOWN_CYCLES <= set(cycles(import_graph()))
+
+def test_attention_backends_flow_one_way():
+    "kernels imports attention (to subclass and register its backend); attention never imports kernels."
+    g = import_graph()
+    assert "attention" in g["kernels"] and "kernels" not in g["attention"]
+
+def test_cycle_finder():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
+    assert cycles({"a": {"b"}, "b": set()}) == []
