@@ -378,3 +378,112 @@ def test_logprobs_chosen_token_outside_top_k():
     assert [l.rank for l in tops[0].values()] == [5, 1, 2]
     assert torch.allclose(torch.tensor([l.logprob for l in tops[0].values()]), raw[[4, 0, 1]])
     assert math.isclose(lp[0], float(raw[4]), abs_tol=1e-6)
+
+
+# --- from the full sampler mutation run (issue 18) -----------------------------------------------------------------------
+
+def splitmix64_reference(x: int) -> int:
+    "SplitMix64 (Steele, Lea & Flood 2014; Vigna's splitmix64.c): one step from state x."
+    M = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & M
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+    return z ^ (z >> 31)
+
+def test_row_seed_is_splitmix64_so_seeded_outputs_stay_reproducible():
+    "A seeded request's tokens depend on row_seed; it must stay the published SplitMix64 hash, on any device and version."
+    assert splitmix64_reference(0) == 0xE220A8397B1DCDAF                 # the published first output from state 0
+    for seed, index, step in [(0, 0, 0), (1234, 0, 7), (2**64 + 5, 3, 0), (-1, 2, 100), (42, 1, 1)]:
+        h = splitmix64_reference(splitmix64_reference(splitmix64_reference(seed & (2**64 - 1)) ^ index) ^ step)
+        assert row_seed(seed, index, step) == h >> 1 < 2**63
+
+def test_top_p_drops_a_token_once_the_mass_above_it_reaches_p_exactly():
+    x = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    out = apply_top_k_top_p(x, torch.tensor([3]), torch.tensor([0.5]))
+    assert torch.isfinite(out).tolist() == [[True, False, False]]
+    assert torch.isfinite(apply_top_k_top_p(x, torch.tensor([3]), torch.tensor([0.75]))).tolist() == [[True, True, False]]
+
+def test_top_p_of_one_keeps_tokens_after_the_mass_saturates():
+    "In float32 the first two tokens already hold all the mass; top_p = 1 must still keep the third."
+    x = torch.tensor([[0., 0., -100.]])
+    assert torch.equal(apply_top_k_top_p(x, torch.tensor([3]), torch.tensor([1.0])), x)
+
+def test_top_p_wider_than_the_candidates_falls_back_to_a_full_sort():
+    "A flat row of 1000 tokens with top_p 0.9 keeps about 900 tokens, far more than the 256 candidates looked at first."
+    x = torch.zeros(2, 1000)
+    out = apply_top_k_top_p(x, torch.tensor([1000, 1000]), torch.tensor([0.9, 0.1]))
+    kept = torch.isfinite(out).sum(-1).tolist()
+    assert 899 <= kept[0] <= 901 and 99 <= kept[1] <= 101
+
+def test_top_k_applies_to_a_single_row():
+    probs = sampling_probs(rand_logits(1, 50, 3), torch.tensor([1.0]), torch.tensor([5]), torch.tensor([1.0]), torch.tensor([0.0]))
+    assert int((probs > 0).sum()) == 5
+
+def test_sampled_top_k_of_one_is_the_argmax():
+    x = rand_logits(6, 40, 11)
+    out = Sampler()(x, [seq(temperature=1.5, top_k=1, seed=i) for i in range(6)])
+    assert out.token_ids == x.argmax(-1).tolist()
+
+def test_token_logprobs_defaults_to_every_row_and_skips_work_when_asked():
+    x = rand_logits(2, 10, 5)
+    lps, tops = token_logprobs(x, torch.tensor([1, 2]), [None, None])
+    want = x.log_softmax(-1)[[0, 1], [1, 2]].tolist()
+    assert lps == pytest.approx(want, abs=1e-5) and tops == [None, None]
+    assert token_logprobs(x, torch.tensor([1, 2]), [None, None], only_top=True) == ([None, None], [None, None])
+
+def test_sampler_takes_a_single_eos_id_and_defaults_to_seed_0():
+    s = Sampler(eos_token_ids=2)
+    assert s.eos_token_ids == [2]
+    out = s(torch.zeros(1, 5), [seq(min_tokens=3, temperature=0)])      # eos banned: the argmax skips it
+    assert out.token_ids == [0] and Sampler(eos_token_ids=0)(torch.zeros(1, 5), [seq(min_tokens=3, temperature=0)]).token_ids == [1]
+    x = rand_logits(4, 30, 2)
+    params = [seq(temperature=1.0) for _ in range(4)]
+    assert Sampler()(x, params).token_ids == Sampler(seed=0)(x, params).token_ids != Sampler(seed=1)(x, params).token_ids
+
+def test_eos_id_outside_the_vocabulary_is_ignored():
+    "An EOS id the model's vocabulary does not have (e.g. a tokenizer's extra token) cannot be banned, and is no error."
+    out = Sampler(eos_token_ids=[8, 5])(torch.zeros(1, 8), [seq(min_tokens=2, temperature=0)])
+    assert out.token_ids == [0]
+    out = Sampler(eos_token_ids=[0])(torch.zeros(1, 8), [seq(min_tokens=2, temperature=0, stop_token_ids=[8, 1])])
+    assert out.token_ids == [2]
+
+def test_penalty_counts_follow_a_change_of_vocabulary():
+    smp = Sampler()
+    for V in (20, 30):
+        s = seq(prompt=[1, 2, 3], out=[3, V - 1], repetition_penalty=2.0, frequency_penalty=0.5)
+        x = rand_logits(1, V, V)
+        rows, toks, counts = seen_tokens([s.prompt_token_ids], [s.output_token_ids], V)
+        want = apply_penalties(x, rows, toks, counts, torch.tensor([0.0]), torch.tensor([0.5]), torch.tensor([2.0]))
+        assert torch.allclose(smp.adjust_logits(x, [s]), want)
+
+def test_penalty_counts_reuse_rows_again_and_again():
+    "Rows freed by finished sequences are reused by new ones several times over; counts stay exact."
+    pc = PenaltyCounts(10, rows=2)
+    for rnd in range(4):
+        seqs = [seq(prompt=[rnd, 1], out=[2, 2, rnd], seq_id=10 * rnd + i) for i in range(2)]
+        rows = pc.update(seqs)
+        b, t, c = pc.pairs(rows)
+        got = sorted(zip(b.tolist(), t.tolist(), c.tolist()))
+        r, tk, cn = seen_tokens([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], 10)
+        assert got == sorted(zip(r.tolist(), tk.tolist(), cn.tolist()))
+        assert len(pc.owner) == 2                                         # never grew: finished rows came back
+        for s in seqs: s.status = SequenceStatus.FINISHED_STOPPED
+
+def test_penalty_counts_refuse_a_shrunken_output():
+    pc, s = PenaltyCounts(10), seq(prompt=[1], out=[2, 3])
+    pc.update([s])
+    s.token_ids.pop()
+    with pytest.raises(RuntimeError) as e: pc.update([s])
+    assert str(e.value) == "output shrank"
+
+def test_reclaimed_row_does_not_answer_for_a_new_sequence_at_the_same_id():
+    "CPython reuses a dead object's id; a sequence seen after its row was reclaimed (standing in for that) gets a fresh, exact row."
+    pc = PenaltyCounts(10, rows=2)
+    a, c = seq(prompt=[1, 2], out=[3], seq_id=1), seq(prompt=[7], seq_id=3)
+    pc.update([a, c])
+    a.status = c.status = SequenceStatus.FINISHED_STOPPED
+    pc.update([seq(prompt=[4], out=[5], seq_id=2)])                     # reclaims both rows, reuses one
+    a.status = SequenceStatus.RUNNING
+    rows = pc.update([a])
+    got = sorted(zip(*(t.tolist() for t in pc.pairs(rows))))
+    assert got == [(0, 1, 0.0), (0, 2, 0.0), (0, 3, 1.0)]

@@ -437,3 +437,169 @@ def test_fork_of_a_finished_parent_is_refused():
     p = _seq(1, "p", n=2)
     sch.add(p); sch.finish(p)
     with pytest.raises(ValueError, match="cannot fork finished sequence 1"): sch.fork(p, p.fork(2, 1))
+
+
+# --- from the full scheduler mutation run (issue 18): counters, seats, budgets, preemption and parked siblings ----------
+
+def _group(num_blocks=20, budget=2048, first=None, **kw):
+    "The readmitted two-fork group of `readmitted_group` (31 tokens each; the sibling shares 7 blocks), with a token budget."
+    sch = make_sched(num_blocks=num_blocks, block_size=4, caching=False, memory_threshold=1.0,
+                     max_num_batched_tokens=budget, **kw)
+    toks = lambda i: (first if first is not None and i else []) + list(range(30 - (len(first) if first is not None and i else 0))) + [i]
+    lead, sib = (Sequence(i, "r", toks(i), 30, SamplingParams(n=2, max_tokens=2), index=i) for i in range(2))
+    return sch, lead, sib
+
+def test_stats_count_steps_tokens_and_admissions():
+    sch = make_sched()
+    sch.add(Sequence(0, "a", [1] * 5, 5, SamplingParams(max_tokens=3)))
+    sch.add(Sequence(1, "b", [2] * 3, 3, SamplingParams(max_tokens=3)))
+    run_all(sch)
+    assert sch.schedule().is_empty                                       # an empty step is not counted
+    st = sch.stats                                                       # one prefill step of 8 tokens, two steps of 2 decodes
+    assert (st.steps, st.prefill_tokens, st.decode_tokens, st.admitted, st.finished) == (3, 8, 4, 2, 2)
+
+def test_update_refuses_a_stale_output_with_its_message():
+    sch = make_sched()
+    sch.add(Sequence(0, "a", [1, 2, 3], 3))
+    with pytest.raises(ValueError) as e: sch.update(SchedulerOutput())
+    assert str(e.value) == "update(out) takes the output of the latest schedule() call, once"
+
+def test_finish_counts_each_stop_or_abort_as_it_happens():
+    sch = make_sched()
+    a, b = _seq(1, "a"), _seq(2, "b")
+    sch.add(a); sch.add(b)
+    sch.finish(a, SequenceStatus.FINISHED_STOPPED)
+    assert (sch.stats.finished, sch.stats.aborted) == (1, 0)
+    sch.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert (sch.stats.finished, sch.stats.aborted) == (1, 1)
+
+def test_max_tokens_none_is_sized_by_max_model_len():
+    "A request with no max_tokens may grow to max_model_len: 64 tokens need 16 blocks of 4, more than 10."
+    sch = make_sched(num_blocks=10, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match=r"may need 16 KV blocks \(63 tokens of KV"):
+        sch.add(Sequence(0, "a", list(range(8)), 8, SamplingParams(max_tokens=None)))
+    sch = make_sched(num_blocks=16, block_size=4, max_model_len=64)
+    sch.add(Sequence(0, "a", list(range(8)), 8, SamplingParams(max_tokens=None)))   # exactly fits
+    assert len(sch.waiting) == 1
+
+def test_readded_group_bookkeeping_goes_with_its_last_sequence():
+    sch, lead, sib = _group()
+    sch.add(lead); sch.add(sib)
+    sch.finish(lead); assert "r" in sch._members
+    sch.finish(sib); assert "r" not in sch._members and sch.num_admitted() == 0
+
+def test_two_preemptions_in_one_step_are_both_reported():
+    "Three running requests each need a new block and none is free: the latest is preempted, then the middle one itself."
+    sch = make_sched(num_blocks=3, block_size=4, memory_threshold=1.0)
+    a, b, c = (Sequence(i, r, [i] * 4, 4, SamplingParams(max_tokens=2), arrival_time=float(i)) for i, r in enumerate("abc"))
+    for s in (a, b, c): sch.add(s)
+    sch.update(sch.schedule())
+    for s in (a, b, c): s.append_token(1)
+    out = sch.schedule()
+    assert out.preempted == [c, b] and [x.seq for x in out.scheduled] == [a] and sch.stats.preemptions == 2
+    assert list(sch.waiting) == [b, c]
+    assert all((s.status, s.num_computed_tokens, s.num_cached_tokens, s.num_preemptions) == (WAITING, 0, 0, 1) for s in (b, c))
+
+def test_a_request_with_nothing_left_to_preempt_waits_without_spending_budget():
+    "y and r's first fork take the last free blocks; r's second fork finds no victim (both requests are in the step): it waits."
+    sch = make_sched(num_blocks=3, block_size=4, memory_threshold=1.0)
+    y = Sequence(0, "y", [9, 9, 9], 3, SamplingParams(max_tokens=2), arrival_time=0.0)
+    lead = Sequence(1, "r", [1, 2, 3, 4], 4, SamplingParams(n=2, max_tokens=2), arrival_time=1.0)
+    sch.add(y); sch.add(lead)
+    sch.update(sch.schedule())
+    kid = lead.fork(2, 1); sch.fork(lead, kid)
+    for s in (y, lead, kid): s.append_token(5)
+    out = sch.schedule()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(y, 1), (lead, 1)] and out.num_batched_tokens == 2
+    assert not out.preempted and kid.status is RUNNING
+
+def test_admission_reserves_seats_for_forks_only_before_the_first_token():
+    sch = make_sched(max_num_seqs=3)
+    a = _seq(0, "a"); sch.add(a); sch.update(sch.schedule()); a.append_token(1)
+    sch.add(_seq(1, "b", n=3))                                           # 1 running + 3 seats > 3: waits
+    out = sch.schedule()
+    assert [s.request_id for s in sch.waiting] == ["b"] and [x.seq.seq_id for x in out.scheduled] == [0]
+    sch = make_sched(max_num_seqs=2)
+    sch.add(_seq(0, "a")); sch.update(sch.schedule())
+    late = Sequence(1, "b", [1, 2, 3, 4, 5], 4, SamplingParams(n=2, max_tokens=4))   # forked already (one output token)
+    sch.add(late); sch.schedule()
+    assert late.status is RUNNING                                        # 1 running + 1 seat
+    sch, lead, sib = _group(max_num_seqs=2)
+    sch.add(lead); sch.add(sib); sch.schedule()
+    assert lead.status is RUNNING and sib.status is RUNNING             # a group of 2 takes 2 seats
+
+def test_admission_stops_when_the_budget_is_spent_and_uses_a_last_single_token():
+    sch = make_sched(max_num_batched_tokens=8)
+    a, b = Sequence(0, "a", [1] * 8, 8), Sequence(1, "b", [2] * 4, 4)
+    sch.add(a); sch.add(b)
+    out = sch.schedule()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(a, 8)] and list(sch.waiting) == [b] and b.status is WAITING
+    sch = make_sched(max_num_batched_tokens=9)
+    a, b = Sequence(0, "a", [1] * 8, 8), Sequence(1, "b", [2] * 4, 4)
+    sch.add(a); sch.add(b)
+    out = sch.schedule()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(b, 1), (a, 8)]       # the 1-token chunk runs first, as a decode
+
+def test_group_admission_counts_the_siblings_own_blocks():
+    "x holds 12 of 20 blocks: the group needs 8 + 1 more, so it waits; nothing is half-admitted."
+    sch, lead, sib = _group()
+    x = Sequence(9, "x", [7] * 48, 48, SamplingParams(max_tokens=1), priority=-1)
+    sch.add(x); sch.update(sch.schedule())
+    sch.add(lead); sch.add(sib)
+    x.append_token(1)
+    out = sch.schedule()
+    assert [x_.seq for x_ in out.scheduled] == [x] and list(sch.waiting) == [lead, sib] and not sch._parked
+
+def test_sibling_sharing_no_block_gets_no_empty_chunk():
+    "A readmitted sibling whose first block differs shares nothing: it is allocated its own blocks and runs when budget is left."
+    sch, lead, sib = _group(budget=8, first=[99])
+    sch.add(lead); sch.add(sib)
+    out = sch.schedule()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(lead, 8)] and not sch._parked and sib.status is RUNNING
+
+def test_parked_sibling_waits_for_the_leaders_chunks_and_joins_on_the_exact_block():
+    sch, lead, sib = _group(budget=8)
+    sch.add(lead); sch.add(sib)
+    for step in range(3):                                                # the leader computes 8, 16, 24 of 28 shared tokens
+        out = sch.schedule()
+        assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(lead, 8)] and sib.seq_id in sch._parked
+        sch.update(out)
+    assert sib.seq_id in sch._parked
+    sch, lead, sib = _group(budget=28)
+    sch.add(lead); sch.add(sib)
+    sch.update(sch.schedule())                                           # exactly the 7 shared blocks computed
+    assert not sch._parked and sib.num_computed_tokens == 28
+
+def test_partly_cached_prompt_still_parks_the_sibling():
+    sch = make_sched(num_blocks=20, block_size=4, memory_threshold=1.0)
+    warm = Sequence(9, "warm", list(range(8)) + [50, 51], 10); sch.add(warm); sch.update(sch.schedule())
+    sch.finish(warm)                                                     # 2 of the 7 shared blocks are cached
+    lead, sib = (Sequence(i, "r", list(range(30)) + [i], 30, SamplingParams(n=2, max_tokens=2), index=i) for i in range(2))
+    sch.add(lead); sch.add(sib)
+    out = sch.schedule()
+    assert lead.num_cached_tokens == 8 and sib.seq_id in sch._parked and [x.seq for x in out.scheduled] == [lead]
+
+def test_preempting_a_group_with_a_parked_sibling_unparks_it():
+    "y (higher priority) needs a block while r's sibling is parked: r is preempted whole and nothing stays parked."
+    sch = make_sched(num_blocks=11, block_size=4, caching=False, memory_threshold=1.0, max_num_batched_tokens=4)
+    y = Sequence(5, "y", [9] * 4, 4, SamplingParams(max_tokens=10), priority=0)
+    sch.add(y); sch.update(sch.schedule()); y.append_token(1)
+    lead, sib = (Sequence(i, "r", list(range(30)) + [i], 30, SamplingParams(n=2, max_tokens=2), index=i, priority=1) for i in range(2))
+    sch.add(lead); sch.add(sib)
+    for _ in range(20):
+        out = sch.schedule()
+        if out.preempted: break
+        assert sib.seq_id in sch._parked
+        sch.update(out)
+        if any(x.seq is y for x in out.scheduled): y.append_token(1)
+    assert out.preempted == [lead, sib] and not sch._parked and not sch.block_manager.lent
+    assert all((s.status, s.num_computed_tokens, s.num_cached_tokens) == (WAITING, 0, 0) for s in (lead, sib))
+    assert [x.seq for x in out.scheduled] == [y]
+
+def test_unparked_sibling_is_reset_and_a_finished_parked_sibling_is_forgotten():
+    sch, lead, sib, out = readmitted_group()
+    sch.finish(lead, SequenceStatus.FINISHED_STOPPED)
+    assert (sib.num_computed_tokens, sib.num_cached_tokens) == (0, 0)
+    sch, lead, sib, out = readmitted_group()
+    sch.finish(sib, SequenceStatus.FINISHED_ABORTED)                    # the parked one itself leaves
+    assert not sch._parked and lead.status is RUNNING
