@@ -58,9 +58,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Both server processes, started together (their start-up overlaps): the demo model with an API key and a small body cap, and
-    a tiny random model with a long context, two sequences per step, at most 2 waiting and 4 admitted, so requests stay in flight long enough to observe."""
-    demo = Server("--api-key", KEY, "--max-body-bytes", "8192")          # starts loading while we write the tiny checkpoint
+    """Both server processes, started together (their start-up overlaps): the demo model with an API key, a small body cap and
+    speculative decoding (prompt lookup: every answer below must come out as without it), and a tiny random model with a long context, two sequences per step, at most 2 waiting and 4 admitted, so requests stay in flight long enough to observe."""
+    demo = Server("--api-key", KEY, "--max-body-bytes", "8192", "--speculative-method", "ngram", "--num-speculative-tokens", "3")          # starts loading while we write the tiny checkpoint
     try:
         from hetero_infer.model import tiny_hf_checkpoint
         path = tmp_path_factory.mktemp("slow")
@@ -213,8 +213,12 @@ def test_models_health_ready_metrics(client, server):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate", "prompt_tokens_total",
                  "generation_tokens_total", "num_preemptions_total", "num_aborted_requests_total", "num_failed_requests_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_queue_time_seconds_bucket", "request_success_total"):
+                 "request_queue_time_seconds_bucket", "request_success_total", "spec_decode_num_drafts_total",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total", "spec_decode_acceptance_rate"):
         assert f"hetero_infer:{name}" in text, name
+    client.completions.create(model="hetero-infer", prompt="<|bos|><|user|>sort: a b c d e f g<|eos|><|assistant|>", temperature=0, max_tokens=10)
+    m = server.metrics()
+    assert m["hetero_infer:spec_decode_num_accepted_tokens_total"] > 0      # a sorted input is copied: proposals get accepted
 
 
 # ---------------------------------------------------------------- errors
