@@ -47,15 +47,6 @@ class BlockStats:
     @property
     def hit_rate(self) -> float: return self.cache_hits / max(self.cache_queries, 1)
 
-# %% ../nbs/01_block_allocator.ipynb #77a4c3b6
-def patch(f):
-    "Add function `f` to the class its `self` argument is annotated with; returns `f`."
-    cls = f.__annotations__["self"]
-    if isinstance(cls, str): cls = f.__globals__[cls]        # `from __future__ import annotations` keeps it a string
-    f.__qualname__ = f"{cls.__name__}.{f.__name__}"
-    setattr(cls, f.__name__, f)
-    return f
-
 # %% ../nbs/01_block_allocator.ipynb #3601b12e
 class BlockManager:
     "A fixed pool of KV-cache blocks: block tables, ref counts, copy-on-write and a prefix cache with LRU eviction."
@@ -79,7 +70,6 @@ class BlockManager:
     def usage(self) -> float: return 1 - self.num_free_blocks() / self.num_blocks
 
 # %% ../nbs/01_block_allocator.ipynb #31d53e17
-@patch
 def _take(self: BlockManager) -> int:
     "A block with ref count 1 from the free list, else by evicting the least recently used cached block."
     if self.free_ids: b = self.free_ids.popleft()
@@ -93,20 +83,17 @@ def _take(self: BlockManager) -> int:
     self.stats.blocks_allocated += 1
     return b
 
-@patch
 def _release(self: BlockManager, b: int):
     "Drop one reference to block `b`; at zero (and unpinned) it becomes evictable if cached, else free."
     blk = self.blocks[b]
     blk.ref_count -= 1
     if not blk.ref_count and b not in self.pins: self._to_pool(b)
 
-@patch
 def _to_pool(self: BlockManager, b: int):
     "Block `b`, held by no one: evictable if cached, else free."
     if self.blocks[b].hash is None: self.free_ids.append(b)
     else: self.evictable[b] = None
 
-@patch
 def _unpin(self: BlockManager, seq_id: int):
     "Forget `seq_id`'s uncommitted copies; a source block no one holds any more goes back to the pool."
     for src, _ in self.cow_pending.pop(seq_id, ()):
@@ -115,8 +102,9 @@ def _unpin(self: BlockManager, seq_id: int):
         del self.pins[src]
         if not self.blocks[src].ref_count: self._to_pool(src)
 
+BlockManager._take, BlockManager._release, BlockManager._to_pool, BlockManager._unpin = _take, _release, _to_pool, _unpin
+
 # %% ../nbs/01_block_allocator.ipynb #aee9a244
-@patch
 def _hashes(self: BlockManager, seq: Sequence, n_full: int) -> list[bytes]:
     "`seq.block_hashes`, extended to its first `n_full` full blocks (the chain depends on the tokens alone)."
     hashes, bs, toks = seq.block_hashes, self.block_size, seq.token_ids
@@ -124,7 +112,6 @@ def _hashes(self: BlockManager, seq: Sequence, n_full: int) -> list[bytes]:
     for i in range(len(hashes), n_full): hashes.append(hash_block(hashes[-1] if hashes else b"", toks[i * bs:(i + 1) * bs]))
     return hashes
 
-@patch
 def _prefix_hits(self: BlockManager, seq: Sequence) -> list[int]:
     "Blocks of the longest cached prefix of full blocks, never the block holding the last token."
     if not self.enable_prefix_caching: return []
@@ -136,18 +123,17 @@ def _prefix_hits(self: BlockManager, seq: Sequence) -> list[int]:
         ids.append(b)
     return ids
 
-@patch
 def blocks_needed(self: BlockManager, seq: Sequence) -> int:
     "How far `allocate(seq)` would lower `num_free_blocks()`: new blocks plus cached blocks it revives."
     ids = self._prefix_hits(seq)
     n_new = -(-len(seq.token_ids) // self.block_size) - len(ids)
     return n_new + sum(self.blocks[b].ref_count == 0 for b in ids)
 
-@patch
 def can_allocate(self: BlockManager, seq: Sequence) -> bool: return self.blocks_needed(seq) <= self.num_free_blocks()
 
+BlockManager._hashes, BlockManager._prefix_hits, BlockManager.blocks_needed, BlockManager.can_allocate = _hashes, _prefix_hits, blocks_needed, can_allocate
+
 # %% ../nbs/01_block_allocator.ipynb #7234cda4
-@patch
 def allocate(self: BlockManager, seq: Sequence):
     "Give `seq` blocks for all its tokens, reusing its longest cached prefix; sets num_computed/num_cached tokens."
     if seq.block_table or seq.seq_id in self.seqs: raise ValueError(f"sequence {seq.seq_id} already holds blocks")
@@ -166,8 +152,9 @@ def allocate(self: BlockManager, seq: Sequence):
     s.allocations += 1; s.cache_hits += len(ids); s.cached_tokens += seq.num_cached_tokens
     if self.enable_prefix_caching: s.cache_queries += (len(seq.token_ids) - 1) // self.block_size
 
+BlockManager.allocate = allocate
+
 # %% ../nbs/01_block_allocator.ipynb #6bbc5c61
-@patch
 def _blocks_to_take(self: BlockManager, seq: Sequence, n: int) -> int:
     "Blocks `append_slots(seq, n)` takes from the pool: new tail blocks plus copy-on-write copies."
     c, t, bs = seq.num_computed_tokens, seq.block_table, self.block_size
@@ -179,12 +166,10 @@ def _blocks_to_take(self: BlockManager, seq: Sequence, n: int) -> int:
         if self.blocks[t[i]].ref_count > 1: need += 1
     return need
 
-@patch
 def can_append(self: BlockManager, seq: Sequence, n: int = 1) -> bool:
     "Whether `append_slots(seq, n)` would find the blocks it needs."
     return self._blocks_to_take(seq, n) <= len(self.free_ids) + len(self.evictable)
 
-@patch
 def append_slots(self: BlockManager, seq: Sequence, n: int = 1) -> tuple[list[int], list[tuple[int, int]]]:
     "Cache slots of positions [computed, computed + n) and the (src, dst) block copies to do first; publishes nothing."
     if seq.seq_id not in self.seqs: raise KeyError(f"sequence {seq.seq_id} holds no blocks; allocate it first")
@@ -205,8 +190,9 @@ def append_slots(self: BlockManager, seq: Sequence, n: int = 1) -> tuple[list[in
     if n == 1: return [t[c // bs] * bs + c % bs], copies
     return [t[p // bs] * bs + p % bs for p in range(c, c + n)], copies
 
+BlockManager._blocks_to_take, BlockManager.can_append, BlockManager.append_slots = _blocks_to_take, can_append, append_slots
+
 # %% ../nbs/01_block_allocator.ipynb #e4f226cd
-@patch
 def commit(self: BlockManager, seq: Sequence, n: int):
     "The step that computed positions [computed, computed + n) of `seq` completed: advance it, publish the blocks it filled."
     c, bs = seq.num_computed_tokens, self.block_size
@@ -217,7 +203,6 @@ def commit(self: BlockManager, seq: Sequence, n: int):
     if self.cow_pending: self._unpin(seq.seq_id)              # its copies are done: their sources may be reused
     if self.enable_prefix_caching and (c + n) // bs > c // bs: self._publish(seq, c // bs, (c + n) // bs)
 
-@patch
 def _publish(self: BlockManager, seq: Sequence, first: int, end: int):
     "Enter full blocks `first..end-1` of `seq` (just computed) in the prefix cache; the first to commit a hash wins."
     hashes = self._hashes(seq, end)
@@ -227,8 +212,9 @@ def _publish(self: BlockManager, seq: Sequence, first: int, end: int):
             blk.hash, blk.token_ids = hashes[i], tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             self.cached[blk.hash] = blk.block_id
 
+BlockManager.commit, BlockManager._publish = commit, _publish
+
 # %% ../nbs/01_block_allocator.ipynb #2f56a905
-@patch
 def free(self: BlockManager, seq: Sequence):
     "Release `seq`'s blocks, last block first so an LRU eviction takes prefix tails before heads."
     if self.seqs.pop(seq.seq_id, None) is None:
@@ -238,8 +224,9 @@ def free(self: BlockManager, seq: Sequence):
     for b in reversed(seq.block_table[k:]): self._release(b)
     seq.block_table = []
 
+BlockManager.free = free
+
 # %% ../nbs/01_block_allocator.ipynb #5a4c3a4e
-@patch
 def fork(self: BlockManager, parent: Sequence, child: Sequence):
     "`child` shares all of `parent`'s blocks (ref counts + 1); whoever writes a shared block copies it first."
     if parent.seq_id not in self.seqs: raise KeyError(f"sequence {parent.seq_id} holds no blocks; cannot fork it")
@@ -249,8 +236,9 @@ def fork(self: BlockManager, parent: Sequence, child: Sequence):
     child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
     self.seqs[child.seq_id] = child
 
+BlockManager.fork = fork
+
 # %% ../nbs/01_block_allocator.ipynb #8fd4cb65
-@patch
 def append_decode_slots(self: BlockManager, seqs: list[Sequence]) -> tuple[list[int], list[tuple[int, int]]]:
     "`append_slots(seq, 1)` for every sequence in one call, all or none: the slots in `seqs` order, and the copies."
     bs, blocks, slots, slow, pending = self.block_size, self.blocks, [], [], self.cow_pending
@@ -272,7 +260,6 @@ def append_decode_slots(self: BlockManager, seqs: list[Sequence]) -> tuple[list[
         else: sl, cp = self.append_slots(s, 1); slots[j] = sl[0]; copies += cp
     return slots, copies
 
-@patch
 def commit_decodes(self: BlockManager, seqs: list[Sequence]):
     "`commit(seq, 1)` for every sequence of a decode batch in one call (no argument checks: the scheduler's fast path)."
     bs, pending, caching = self.block_size, self.cow_pending, self.enable_prefix_caching
@@ -281,8 +268,9 @@ def commit_decodes(self: BlockManager, seqs: list[Sequence]):
         if pending and s.seq_id in pending: self._unpin(s.seq_id)
         if caching and c % bs == 0: self._publish(s, c // bs - 1, c // bs)
 
+BlockManager.append_decode_slots, BlockManager.commit_decodes = append_decode_slots, commit_decodes
+
 # %% ../nbs/01_block_allocator.ipynb #439a1cd0
-@patch
 def allocate_sibling(self: BlockManager,
                      seq: Sequence, # a sequence with an empty block table
                      leader: Sequence, # an allocated sequence with the same first `k` blocks of tokens
@@ -299,9 +287,10 @@ def allocate_sibling(self: BlockManager,
     self.seqs[seq.seq_id], self.lent[seq.seq_id] = seq, k
     self.stats.allocations += 1
 
-@patch
 def join_sibling(self: BlockManager, seq: Sequence):
     "The leader has computed the lent blocks: `seq` takes references to them and continues after them."
     k = self.lent.pop(seq.seq_id)
     for b in seq.block_table[:k]: self.blocks[b].ref_count += 1
     seq.num_computed_tokens = k * self.block_size
+
+BlockManager.allocate_sibling, BlockManager.join_sibling = allocate_sibling, join_sibling
