@@ -20,9 +20,9 @@ __all__ = ['DEFAULT_WORKLOAD', 'CPU_WORKLOAD', 'DUMMY_CONFIGS', 'PEERS', 'PHASES
            'hf_cb_manager', 'hf_cb_job', 'run_hf_cb', 'offline_bench', 'format_offline', 'RequestRecord',
            'poisson_arrivals', 'latency_stats', 'serve_metrics', 'run_load', 'serving', 'served_model', 'serve_bench',
            'format_serve', 'plot_rate_sweep', 'StepRecord', 'Trace', 'trace_engine', 'bench_engine', 'make_requests',
-           'copy_bandwidth', 'matmul_flops', 'weight_bytes', 'kv_bytes_per_token', 'decode_floor', 'prefill_flops',
-           'decode_batch', 'drain', 'decode_step_time', 'prefill_time', 'profile_phases', 'step_breakdown',
-           'add_bench_arguments', 'bench_command', 'main']
+           'copy_bandwidth', 'matmul_flops', 'weight_bytes', 'kv_bytes_per_token', 'decode_floor', 'decode_flops',
+           'roofline_floor', 'prefill_flops', 'decode_batch', 'drain', 'decode_step_time', 'prefill_time',
+           'profile_phases', 'step_breakdown', 'add_bench_arguments', 'bench_command', 'main']
 
 # %% ../nbs/11_benchmarks.ipynb #24c28509
 @dataclass
@@ -125,8 +125,8 @@ class Workload:
     @property
     def num_output_tokens(self) -> int: return sum(self.output_lens)
     def params(self) -> list[SamplingParams]:
-        "Greedy sampling params that generate exactly each request's output length."
-        return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in self.output_lens]
+        "Greedy sampling params that generate exactly each request's output length, token ids only (transformers' peers detokenize nothing either)."
+        return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False) for o in self.output_lens]
     def describe(self) -> dict:
         ins = [len(p) for p in self.prompts]
         return {"num_requests": len(self), "input_len": [min(ins), max(ins)], "output_len": [min(self.output_lens), max(self.output_lens)],
@@ -705,6 +705,16 @@ def decode_floor(model, batch: int, context: int, bandwidth: float) -> float:
     "Seconds a decode step of `batch` sequences at `context` tokens cannot beat: weights + KV bytes over the bandwidth."
     return (weight_bytes(model) + batch * context * kv_bytes_per_token(model)) / bandwidth
 
+def decode_flops(model, batch: int, context: int) -> float:
+    "FLOPs of one decode step: 2 x matmul parameters per sequence, plus attention over each sequence's context."
+    c = model.config
+    mm = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "embed_tokens.weight")
+    return batch * (2 * mm + 2 * 2 * c.num_layers * c.num_heads * c.head_dim * context)
+
+def roofline_floor(model, batch: int, context: int, bandwidth: float, flops: float) -> float:
+    "Seconds a decode step cannot beat on either roof: max(bytes read / bandwidth, FLOPs / matmul rate)."
+    return max(decode_floor(model, batch, context, bandwidth), decode_flops(model, batch, context) / flops)
+
 def prefill_flops(model, tokens: int) -> float:
     "FLOPs of prefilling one prompt of `tokens`: 2 x matmul parameters x tokens, plus causal attention."
     c = model.config
@@ -718,7 +728,8 @@ def decode_batch(engine, batch: int, context: int, decode_steps: int, seed: int 
     vocab = engine.runner.model.config.vocab_size
     n_out = decode_steps + 4 + -(-batch * context // engine.config.max_num_batched_tokens)   # the first ones decode while the rest prefill
     wl = random_workload(batch, (context, context), (n_out, n_out), vocab_size=vocab, seed=seed, low_id=min(3, vocab - 1))
-    for i, (p, sp) in enumerate(zip(wl.prompts, wl.params())): engine.add_request(f"dec-{seed}-{i}", p, sp)
+    for i, (p, sp) in enumerate(zip(wl.prompts, wl.params())):      # with text, as a user's request: the detokenizer is part of a step
+        engine.add_request(f"dec-{seed}-{i}", p, dataclasses.replace(sp, detokenize=True))
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running): engine.step()
 
 def drain(engine) -> None:

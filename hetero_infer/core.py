@@ -46,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None         # return this many top logprobs per token, plus the chosen one
     skip_special_tokens: bool = True    # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    detokenize: bool = True             # False: token ids only, the text stays "" (no detokenizer runs; stop strings need text)
 
     def __post_init__(self):
         if isinstance(self.stop, str): self.stop = [self.stop]
@@ -77,6 +78,8 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", f"must be a bool, got {self.skip_special_tokens!r}")
         _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", f"must be a bool, got {self.include_stop_str_in_output!r}")
+        _check(isinstance(self.detokenize, bool), "detokenize", f"must be a bool, got {self.detokenize!r}")
+        _check(self.detokenize or not self.stop, "stop", "strings need the text: set detokenize=True, or use stop_token_ids")
 
 # %% ../nbs/00_core.ipynb #02a46072
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -166,7 +166,7 @@ def add_request(self: LLMEngine, request_id: str, prompt, params: SamplingParams
 
 def _track(self: LLMEngine, req: _Request, seq: Sequence) -> None:
     "Start the per-sequence text state of `seq`."
-    if self.tokenizer is not None:
+    if self.tokenizer is not None and req.params.detokenize:                 # no text asked for: no detokenizer at all
         req.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, req.params.skip_special_tokens)
     req.text[seq.seq_id], req.logprobs[seq.seq_id], req.cum_logprob[seq.seq_id] = "", [], 0.0
 
@@ -282,7 +282,7 @@ def _append(self: LLMEngine, req: _Request, seq: Sequence, token: int, logprob: 
     req.metrics.last_token_time = now
     req.cum_logprob[seq.seq_id] += logprob
     if top is not None:
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and p.detokenize:
             top = {t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t])) for t, lp in top.items()}
         req.logprobs[seq.seq_id].append(top)
     n_out, can_stop = seq.num_output_tokens, seq.num_output_tokens >= p.min_tokens
