@@ -408,7 +408,7 @@ def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = 
 def format_offline(res: dict) -> str:
     "The offline result as a table: tokens/s, median time and spread, ours ÷ this."
     w = res["workload"]
-    lines = [f"model: {res['model']}",
+    lines = [f"model: {Path(res['model']).name}",   # the directory's name: the JSON keeps the whole path
              f"workload: {w['num_requests']} requests, input {w['input_len'][0]}-{w['input_len'][1]}, output {w['output_len'][0]}-{w['output_len'][1]} tokens "
              f"({w['output_tokens']} output tokens), seed {w['seed']}, ignore_eos",
              f"machine: {machine_label(res['machine'])}", "",
@@ -568,9 +568,10 @@ def format_serve(res: dict) -> str:
     w = res["workload"]
     head = (f"{'rate':>6} {'done':>5} {'req/s':>6} {'out tok/s':>9} {'goodput':>7} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} | "
             f"{'TPOT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>7} | {'E2E p50':>7} {'p99':>7}  (ms)")
-    where = (f"served by `hetero-infer serve {' '.join(map(shlex.quote, res['serve_args']))}` started by this benchmark"
+    args = [Path(a).name if a == res["model"] else a for a in res["serve_args"]]      # the model directory by name, as above
+    where = (f"served by `hetero-infer serve {' '.join(map(shlex.quote, args))}` started by this benchmark"
              if res.get("started_here", res["url"] == "(started here)") else f"at {res['url']}")
-    lines = [f"model: {res['model']}, {where}; {w['num_requests']} requests per rate, input {w['input_len']}, output {w['output_len']}",
+    lines = [f"model: {Path(res['model']).name}, {where}; {w['num_requests']} requests per rate, input {w['input_len']}, output {w['output_len']}",
              f"machine: {machine_label(res['machine'])}", "", head]
     f = lambda d, k: f"{d[k]:.0f}" if d[k] is not None else "-"
     for r in res["runs"]:
