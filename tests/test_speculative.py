@@ -23,10 +23,15 @@ def looping_prompts(vocab=256, seed=1):
 def family_ckpt(request, tmp_path_factory):
     "A tiny random model of each family, its 1-layer truncated draft, and its plain greedy outputs."
     path = tmp_path_factory.mktemp(request.param)
-    tiny_hf_checkpoint(path, request.param, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = tiny_hf_checkpoint(path, request.param, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     draft = truncated_draft(path, path / "draft", 1)
     ps = looping_prompts()
     ref = LLM(str(path), num_blocks=128, **CPU).generate(ps + ps[:2], GREEDY, use_tqdm=False)
+    for p, o in zip(ps, ref):                                       # the reference is transformers' greedy output too
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=GREEDY.max_tokens,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == want
     return path, draft, ps, ref
 
 def same(a, b):
