@@ -6,7 +6,8 @@ import pytest, torch
 from hetero_infer.core import EngineConfig, SamplingParams
 from hetero_infer.engine import LLM
 from hetero_infer.model import FAMILIES, tiny_hf_checkpoint
-from hetero_infer.sampler import sampling_probs
+from hetero_infer.sampler import Sampler, sampling_probs
+from hetero_infer.core import Sequence
 from hetero_infer.speculative import ngram_propose, truncated_draft
 from hetero_infer.demo import DEMO_MODEL_DIR, format_prompt
 
@@ -103,7 +104,8 @@ def test_penalties_n2_and_abort_with_speculation(tmp_path):
 
 def chi2_sf(x: float, dof: int) -> float: return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
 
-@pytest.mark.parametrize("method,params", [("ngram", dict(temperature=1.0)), ("draft", dict(temperature=0.8, top_k=6, top_p=0.9))])
+@pytest.mark.parametrize("method,params", [("ngram", dict(temperature=1.0)), ("draft", dict(temperature=0.8, top_k=6, top_p=0.9)),
+                                           ("draft", dict(temperature=1.0, min_p=0.05, repetition_penalty=1.5, presence_penalty=0.6, frequency_penalty=0.3))])
 def test_sampled_distribution_is_the_targets(tmp_path, method, params):
     "Tokens 2 and 3 of 3000 seeded samples on an 8-token vocabulary follow the exact target distribution (chi-square, p > 0.001)."
     V, path, dpath = 8, tmp_path / "m", tmp_path / "d"
@@ -116,10 +118,11 @@ def test_sampled_distribution_is_the_targets(tmp_path, method, params):
     outs = llm.generate([prompt] * N, sp, use_tqdm=False)
     st = llm.engine.stats["speculative"]
     assert 0.05 < st["acceptance_rate"] < 0.95        # both the accept and the reject paths ran
-    def probs(ctx):
+    def probs(ctx):                                                  # the plain sampler's distribution after `ctx` (penalties included)
         with torch.no_grad(): x = model(torch.tensor([ctx])).logits[0, -1].float()
         p = SamplingParams(**params)
-        return sampling_probs(x[None], torch.tensor([p.temperature]), torch.tensor([min(p.top_k, V) if p.top_k > 0 else V]),
+        x = Sampler().adjust_logits(x[None], [Sequence(0, "r", ctx, len(prompt), p)])
+        return sampling_probs(x, torch.tensor([p.temperature]), torch.tensor([min(p.top_k, V) if p.top_k > 0 else V]),
                               torch.tensor([p.top_p]), torch.tensor([p.min_p]))[0]
     p1 = probs(prompt)
     exact = torch.zeros(V, V, V, dtype=torch.float64)                # P(t1, t2, t3)
