@@ -98,6 +98,18 @@ def test_detokenizer_keeps_its_context_across_a_skipped_token():
     assert [d.add(eos), d.add(world)] == ["", " world"]
 
 
+def test_detokenizer_does_not_clean_up_spaces():
+    "Text is what the tokens spell, as in vLLM: no clean-up of the space before punctuation, even where the tokenizer defaults to it."
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, ".": 3}, unk_token="[UNK]"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(cleanup=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    assert tok.decode([1, 2, 3]) == "hello world."                     # the premise: this tokenizer cleans up by default
+    d = IncrementalDetokenizer(tok, [1])
+    assert [d.add(i) for i in (2, 3)] == [" world", " ."]
+
+
 # ---- load_tokenizer ----------------------------------------------------------------------------------------------------
 
 def test_load_tokenizer(tiny_path, tmp_path):
@@ -259,7 +271,8 @@ def test_generate_builds_only_the_finished_outputs(tiny_path, monkeypatch):
     llm.generate([P6, P6[:3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert sorted(built) == ["gen-0", "gen-1"]
 
-def test_prefix_cache_hits_are_reported(demo):
+def test_prefix_cache_hits_are_reported():
+    demo = LLM(**CPU, num_blocks=64)                            # its own engine: prefix caching is on by default
     p = list(range(6, 26))                                      # 20 tokens: one full block of 16 to share
     sp = SamplingParams(temperature=0, max_tokens=2)
     first, again = demo.generate([p], sp, use_tqdm=False)[0], demo.generate([p], sp, use_tqdm=False)[0]
@@ -297,8 +310,8 @@ def test_eos_stops_unless_ignored(demo):
     c = reply(demo, ignore_eos=True, max_tokens=8)
     assert (len(c.token_ids), c.token_ids[4], c.finish_reason) == (8, EOS, "length")
 
-def test_min_tokens_keeps_eos_out_until_reached(demo):
-    c = reply(demo, min_tokens=8, max_tokens=10)
+def test_min_tokens_keeps_eos_out_until_reached():
+    c = reply(LLM(**CPU, num_blocks=64), min_tokens=8, max_tokens=10)   # its own engine: the sampler is told the EOS ids
     assert EOS not in c.token_ids[:8] and len(c.token_ids) >= 8
 
 def test_stop_token_sets_the_stop_reason(demo):
@@ -485,11 +498,11 @@ def bar(monkeypatch):
 
 def test_generate_progress_bar_counts_prompts_and_tokens(tiny_path, bar):
     llm = tiny(tiny_path)
-    llm.generate([P6, P6[:4]], [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True)])
+    llm.generate([P6, P6[:4]], [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=9, ignore_eos=True)])
     (b,) = bar.made
     assert b.kw == dict(total=2, desc="Processed prompts", dynamic_ncols=True, disable=False)   # shown by default
     assert b.updates == [1, 1]
-    assert b.postfix == ["input: 3 toks/s, output: 1 toks/s", "input: 2 toks/s, output: 2 toks/s"]   # (6, 2)/2 s, (10, 8)/4 s
+    assert b.postfix == ["input: 3 toks/s, output: 1 toks/s", "input: 2 toks/s, output: 3 toks/s"]   # (6, 2)/2 s, (10, 11)/4 s
 
 def test_progress_bar_can_be_turned_off_and_chat_passes_it_on(demo, bar):
     demo.generate([P6], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -525,3 +538,28 @@ def test_chat_needs_a_chat_template(tiny_path):
     llm = LLM(**CPU, num_blocks=8)
     llm.get_tokenizer().chat_template = None
     assert _error(llm.chat, CHAT) == msg
+
+
+# ---- speculative decoding (prompt lookup) changes how many steps, never what comes out -----------------------------
+
+def test_speculation_gives_the_plain_outputs_in_fewer_steps():
+    "The demo model copies a sorted input, so prompt lookup's proposals are accepted in runs; a reversal mixes in plain rows."
+    from hetero_infer.demo import format_prompt
+    q = [format_prompt("sort: a b c d e f g h"), format_prompt("reverse: a b c d"), format_prompt("sort: b c d e f g h i")]
+    plain = LLM(**CPU, num_blocks=64)
+    spec = LLM(**CPU, num_blocks=64, speculative_method="ngram", num_speculative_tokens=5)
+    for sp in (SamplingParams(temperature=0, max_tokens=16, logprobs=1), SamplingParams(n=2, temperature=0, max_tokens=16),
+               SamplingParams(temperature=0, max_tokens=16, stop=["e f"]), SamplingParams(temperature=0, max_tokens=5),
+               SamplingParams(temperature=0, max_tokens=16, min_tokens=12)):
+        a, b = plain.generate(q, sp, use_tqdm=False), spec.generate(q, sp, use_tqdm=False)
+        for x, y in zip(a, b):
+            assert [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in y.outputs] == \
+                   [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in x.outputs], sp
+            for cx, cy in zip(x.outputs, y.outputs):
+                assert cy.cumulative_logprob == pytest.approx(cx.cumulative_logprob, abs=1e-4)
+                if cx.logprobs: assert [{t: round(l.logprob, 3) for t, l in d.items()} for d in cy.logprobs] == \
+                                       [{t: round(l.logprob, 3) for t, l in d.items()} for d in cx.logprobs]
+    ps, ss = plain.engine.stats, spec.engine.stats
+    assert ss["generation_tokens"] == ps["generation_tokens"] and ss["steps"] < ps["steps"]
+    assert ss["speculative"]["num_accepted_tokens"] > 0 and ss["speculative"]["num_draft_tokens"] > ss["speculative"]["num_accepted_tokens"]
+    assert spec.engine.block_manager.num_free_blocks() == 64 and not spec.engine.has_unfinished_requests()
