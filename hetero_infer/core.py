@@ -4,16 +4,16 @@
 
 # %% ../nbs/00_core.ipynb #43e3d7bb
 from __future__ import annotations
-import enum, json, math, time
+import enum, importlib.util, json, math, time
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Any
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'SPECULATIVE_METHODS', 'HPI_KEYS',
-           'TOKENIZER_KINDS', 'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig', 'is_hpi_format',
-           'to_json', 'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput', 'RequestMetrics',
-           'RequestOutput']
+__all__ = ['MAX_LOGPROBS', 'DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'SPECULATIVE_METHODS', 'DEMO_MODEL_DIR',
+           'HPI_KEYS', 'TOKENIZER_KINDS', 'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig',
+           'is_hpi_format', 'to_json', 'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput',
+           'RequestMetrics', 'RequestOutput']
 
 # %% ../nbs/00_core.ipynb #2c4dbc4b
 def _check(ok: bool, name: str, msg: str):
@@ -190,6 +190,11 @@ def _build(cls, d: dict, prefix: str = ""):
     unknown = sorted(set(d) - known)
     if unknown: raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; known: {', '.join(sorted(known))}")
     return cls(**d)
+
+# %% ../nbs/00_core.ipynb #6b3ae692
+# this module's folder; in the notebook, where `__file__` is not set, the package is found without importing it
+_PKG_DIR = Path(__file__).parent if "__file__" in globals() else Path(importlib.util.find_spec("hetero_infer").origin).parent
+DEMO_MODEL_DIR = _PKG_DIR / "demo_model"   # the shipped demo checkpoint (08_demo_model)
 
 # %% ../nbs/00_core.ipynb #61bbf52a
 HPI_KEYS = {"max_num_blocks": "num_blocks", "max_batch_size": "max_num_seqs", "max_total_tokens": "max_num_batched_tokens",

@@ -4,12 +4,12 @@
 
 # %% ../nbs/08_demo_model.ipynb #7bbd4eff
 from __future__ import annotations
-import importlib.util, random, re, time, zlib
+import random, re, time, zlib
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['LETTERS', 'TASKS', 'MIN_LEN', 'MAX_LEN', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE', 'DEMO_MODEL_DIR', 'is_held_out', 'solve',
-           'make_example', 'check_answer', 'format_prompt', 'demo_prompts', 'question_of', 'run_demo']
+__all__ = ['LETTERS', 'TASKS', 'MIN_LEN', 'MAX_LEN', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE', 'is_held_out', 'solve', 'make_example',
+           'check_answer', 'format_prompt', 'demo_prompts', 'question_of', 'run_demo', 'DEMO_MODEL_DIR']
 
 # %% ../nbs/08_demo_model.ipynb #184f43a2
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -63,7 +63,8 @@ def demo_prompts(n: int = 16, seed: int = 1234) -> list[str]:
     return [format_prompt(make_example(rng, held_out=True)[0]) for _ in range(n)]
 
 # %% ../nbs/08_demo_model.ipynb #b713e4b9
-DEMO_MODEL_DIR = Path(importlib.util.find_spec("hetero_infer").origin).parent / "demo_model"   # the shipped checkpoint, next to the package's code (found without importing the package)
+from .core import DEMO_MODEL_DIR   # the shipped checkpoint's folder, next to the package's code (defined in core)
+_all_ = ["DEMO_MODEL_DIR"]   # re-exported: `from hetero_infer.demo import DEMO_MODEL_DIR` keeps working
 
 # %% ../nbs/08_demo_model.ipynb #0f2591aa
 def question_of(prompt: str) -> str:

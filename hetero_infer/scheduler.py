@@ -195,6 +195,7 @@ def __schedule_running(self: Scheduler, out: SchedulerOutput, budget: int, decod
     return budget
 Scheduler._schedule_running = __schedule_running
 
+# %% ../nbs/02_scheduler.ipynb #648ccd1d
 def __head_group(self: Scheduler) -> list[Sequence]:
     "The waiting sequences of the first request in line (forks of one request wait side by side)."
     w = self.waiting
@@ -213,6 +214,7 @@ def __common_blocks(self: Scheduler, leader: Sequence, seq: Sequence) -> int:
     return k
 Scheduler._common_blocks = __common_blocks
 
+# %% ../nbs/02_scheduler.ipynb #270960bd
 def __admit(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
     "Move requests from the front of the waiting queue to running while seats, tokens, blocks and the memory threshold allow."
     cfg, bm = self.config, self.block_manager
