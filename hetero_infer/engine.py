@@ -26,7 +26,7 @@ from .demo import DEMO_MODEL_DIR
 # %% auto #0
 __all__ = ['TOKENIZER_FILES', 'PROMPT_KEYS', 'IncrementalDetokenizer', 'load_tokenizer', 'find_stop_string', 'LLMEngine',
            'add_request', 'step', 'abort_request', 'has_unfinished_requests', 'get_num_unfinished_requests', 'close',
-           'stats', 'EngineStepError', 'as_prompt_list', 'engine_kwargs', 'LLM', 'offline_benchmark']
+           'stats', 'EngineStepError', 'as_prompt_list', 'engine_kwargs', 'LLM']
 
 # %% ../nbs/07_engine.ipynb #0cd57833
 class IncrementalDetokenizer:
@@ -272,8 +272,6 @@ def _verify(self: LLMEngine, logits: torch.Tensor, sampling: list[Sequence], ver
 LLMEngine.step, LLMEngine._plan_forks, LLMEngine._commit_forks, LLMEngine._step_failed = step, _plan_forks, _commit_forks, _step_failed
 LLMEngine._spec_candidates, LLMEngine._verify = _spec_candidates, _verify
 
-
-
 # %% ../nbs/07_engine.ipynb #b6c290f1
 def _append(self: LLMEngine, req: _Request, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
     p, now = req.params, time.monotonic()
@@ -436,38 +434,3 @@ class LLM:
                         bar.set_postfix_str(f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s")
         finally: self.engine.stream_outputs = True
         return [done[i] for i in ids]
-
-# %% ../nbs/07_engine.ipynb #80d517cc
-def offline_benchmark(model_dir: str | Path, num_prompts: int = 64, prompt_lens=(8, 96), output_lens=(8, 64),
-                      hf_batch_size: int = 16,   # transformers' static batch size, and the engine's max_num_seqs unless given
-                      seed: int = 0, device: str = "cpu", dtype: str = "float32", repeats: int = 3, **engine_kwargs) -> dict:
-    "Output tokens/s of our engine and of transformers `generate` (padded static batches) on the same random workload, at the same batch size; best of `repeats` runs each."
-    import transformers
-    g = torch.Generator().manual_seed(seed)
-    engine_kwargs = {"max_num_seqs": hf_batch_size, **engine_kwargs}
-    llm = LLM(str(model_dir), device=device, dtype=dtype, **engine_kwargs)
-    vocab = llm.engine.runner.model.config.vocab_size
-    plens = torch.randint(prompt_lens[0], prompt_lens[1] + 1, (num_prompts,), generator=g).tolist()
-    olens = torch.randint(output_lens[0], output_lens[1] + 1, (num_prompts,), generator=g).tolist()
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in plens]
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in olens]
-    def best(run):                                                              # the first run warms up; keep the fastest
-        times = []
-        for _ in range(repeats + 1): t = time.perf_counter(); run(); times.append(time.perf_counter() - t)
-        return min(times[1:])
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == olens
-    ours = best(lambda: llm.generate(prompts, params, use_tqdm=False))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype) if dtype != "auto" else "auto").to(device).eval()
-    def hf_batch(idx):
-        ids = [prompts[i] for i in idx]; width = max(map(len, ids))
-        inp = torch.tensor([[0] * (width - len(p)) + p for p in ids], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=device)
-        with torch.inference_mode():
-            hf.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max(olens[i] for i in idx), do_sample=False,
-                        pad_token_id=0, eos_token_id=None)
-    theirs = best(lambda: [hf_batch(list(range(s, min(s + hf_batch_size, num_prompts)))) for s in range(0, num_prompts, hf_batch_size)])
-    n_out = sum(olens)
-    return dict(num_prompts=num_prompts, output_tokens=n_out, batch_size=hf_batch_size, engine_max_num_seqs=llm.engine.config.max_num_seqs,
-                engine_s=ours, hf_s=theirs, engine_tok_s=n_out / ours,
-                hf_tok_s=n_out / theirs, speedup=theirs / ours, engine_steps_per_run=llm.engine.stats["steps"] // (repeats + 2))
