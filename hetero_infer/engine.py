@@ -14,14 +14,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .core import (EngineConfig, SamplingParams, Sequence, SequenceStatus, CompletionOutput,
-                               RequestOutput, RequestMetrics, Logprob)
+                               RequestOutput, RequestMetrics, Logprob, DEMO_MODEL_DIR)
 from .block_manager import BlockManager
 from .scheduler import Scheduler, SchedulerOutput
 from .model import ModelRunner, dtype_name
 from .parallel import make_runner
 from .sampler import Sampler
 from .speculative import Speculator
-from .demo import DEMO_MODEL_DIR
 
 # %% auto #0
 __all__ = ['TOKENIZER_FILES', 'PROMPT_KEYS', 'IncrementalDetokenizer', 'load_tokenizer', 'find_stop_string', 'LLMEngine',

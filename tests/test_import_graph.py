@@ -8,7 +8,7 @@ root = Path(__file__).resolve().parent.parent
 PKG = "hetero_infer"
 
 # TODO(issue 17): cycles being removed in the same pass; delete each entry as its cycle goes, then this set.
-KNOWN_CYCLES = {frozenset({"demo", "engine"})}   # engine takes DEMO_MODEL_DIR from demo, whose run_demo uses LLM
+KNOWN_CYCLES: set = set()   # none left: DEMO_MODEL_DIR lives in core, below both engine and demo
 
 def _modules() -> dict[str, Path]:
     return {p.stem: p for p in (root / PKG).glob("*.py") if p.stem != "_modidx"}
