@@ -11,7 +11,7 @@ from pathlib import Path
 from .core import EngineConfig, SamplingParams, ServingConfig, DTYPES, DEVICES, ATTENTION_BACKENDS, HPI_KEYS, SPECULATIVE_METHODS, is_hpi_format
 
 # %% auto #0
-__all__ = ['ENGINE_FLAGS', 'COMMANDS', 'UsageError', 'build_parser', 'seed_argv', 'check_model_dir', 'check_device',
+__all__ = ['ENGINE_FLAGS', 'COMMANDS', 'seed_argv', 'UsageError', 'build_parser', 'hpi_argv', 'check_model_dir', 'check_device',
            'usage_error', 'read_config', 'engine_config', 'cmd_generate', 'cmd_demo', 'serve_options', 'cmd_serve',
            'main']
 
@@ -132,12 +132,14 @@ def _has_bench() -> bool:
     except ImportError: return False
     return True
 
-def seed_argv(argv: list[str]) -> list[str]:
+def hpi_argv(argv: list[str]) -> list[str]:
     "hetero-paged-infer's command forms as ours: `--serve ...` -> `serve ...`, `--input TEXT ...` -> `generate --input TEXT ...`."
     if argv and argv[0] in COMMANDS: return argv
     if "--serve" in argv: return ["serve"] + [a for a in argv if a != "--serve"]
     if any(a == "--input" or a.startswith("--input=") for a in argv): return ["generate"] + argv
     return argv
+
+seed_argv = hpi_argv   # its first name, kept for callers
 
 # %% ../nbs/10_cli.ipynb #2f0d4485
 def check_model_dir(path: str, flag: str = "--model") -> None:
@@ -284,7 +286,7 @@ def cmd_serve(args) -> int:
 # %% ../nbs/10_cli.ipynb #fbb1ec1d
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `hetero-infer` command; bad input exits with status 2 and `hetero-infer: error: <flag>: <message>`."
-    argv = seed_argv(list(sys.argv[1:] if argv is None else argv))
+    argv = hpi_argv(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     run = {"generate": cmd_generate, "serve": cmd_serve, "demo": cmd_demo}.get(args.command)
     if run is None:
