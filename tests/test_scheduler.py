@@ -541,9 +541,9 @@ def test_admission_stops_when_the_budget_is_spent_and_uses_a_last_single_token()
     assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(b, 1), (a, 8)]       # the 1-token chunk runs first, as a decode
 
 def test_group_admission_counts_the_siblings_own_blocks():
-    "x holds 12 of 20 blocks: the group needs 8 + 1 more, so it waits; nothing is half-admitted."
+    "x holds 12 of 20 blocks (and needs no new one): the group needs 8 + 1 more, so it waits; nothing is half-admitted."
     sch, lead, sib = _group()
-    x = Sequence(9, "x", [7] * 48, 48, SamplingParams(max_tokens=1), priority=-1)
+    x = Sequence(9, "x", [7] * 47, 47, SamplingParams(max_tokens=2), priority=-1)
     sch.add(x); sch.update(sch.schedule())
     sch.add(lead); sch.add(sib)
     x.append_token(1)
@@ -569,6 +569,20 @@ def test_parked_sibling_waits_for_the_leaders_chunks_and_joins_on_the_exact_bloc
     sch.add(lead); sch.add(sib)
     sch.update(sch.schedule())                                           # exactly the 7 shared blocks computed
     assert not sch._parked and sib.num_computed_tokens == 28
+    sch, lead, sib = _group(budget=24)
+    sch.add(lead); sch.add(sib)
+    sch.update(sch.schedule())                                           # 24 of 28: still parked
+    out = sch.schedule()                                                 # the leader's last 7 leave budget; the parked sibling takes none
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(lead, 7)] and sib.seq_id in sch._parked
+
+@pytest.mark.parametrize("length,shared", [(32, 7), (33, 8)])
+def test_identical_forks_share_every_full_block_but_the_last_tokens(length, shared):
+    "Greedy forks can be identical: readmitted, the sibling borrows each full block except the one holding its last token."
+    sch = make_sched(num_blocks=40, block_size=4, caching=False, memory_threshold=1.0)
+    lead, sib = (Sequence(i, "r", list(range(length)), length - 1, SamplingParams(n=2, max_tokens=4), index=i) for i in range(2))
+    sch.add(lead); sch.add(sib)
+    sch.schedule()
+    assert sch.block_manager.lent[sib.seq_id] == shared and sib.seq_id in sch._parked
 
 def test_partly_cached_prompt_still_parks_the_sibling():
     sch = make_sched(num_blocks=20, block_size=4, memory_threshold=1.0)
