@@ -513,6 +513,10 @@ def run_load(url: str, model: str, wl: Workload, rate: float, seed: int = 0, api
 def _free_port() -> int:
     with socket.socket() as s: s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
+def _shown(arg: str) -> str:
+    "A command-line argument as logs and tables show it: an absolute path by its last part (the JSON keeps the whole path)."
+    return Path(arg).name if os.path.isabs(arg) else arg
+
 @contextlib.contextmanager
 def serving(url: str | None = None, serve_args: list[str] = (), startup_timeout: float = 120, log=print):
     "Yield the base URL of a server: `url` itself, or a `hetero-infer serve` started here on a free port (stopped on exit)."
@@ -521,7 +525,7 @@ def serving(url: str | None = None, serve_args: list[str] = (), startup_timeout:
     port = _free_port()
     cmd = [sys.executable, "-c", "import sys; from hetero_infer.cli import main; sys.exit(main())", "serve",
            "--host", "127.0.0.1", "--port", str(port), *serve_args]
-    log("starting: hetero-infer " + " ".join(shlex.quote(a) for a in cmd[3:]))
+    log("starting: hetero-infer " + " ".join(shlex.quote(_shown(a)) for a in cmd[3:]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
     try:
@@ -568,7 +572,7 @@ def format_serve(res: dict) -> str:
     w = res["workload"]
     head = (f"{'rate':>6} {'done':>5} {'req/s':>6} {'out tok/s':>9} {'goodput':>7} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} | "
             f"{'TPOT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>7} | {'E2E p50':>7} {'p99':>7}  (ms)")
-    args = [Path(a).name if a == res["model"] else a for a in res["serve_args"]]      # the model directory by name, as above
+    args = [_shown(a) for a in res["serve_args"]]                                   # the model directory by name, as above
     where = (f"served by `hetero-infer serve {' '.join(map(shlex.quote, args))}` started by this benchmark"
              if res.get("started_here", res["url"] == "(started here)") else f"at {res['url']}")
     lines = [f"model: {Path(res['model']).name}, {where}; {w['num_requests']} requests per rate, input {w['input_len']}, output {w['output_len']}",
@@ -585,14 +589,15 @@ def plot_rate_sweep(res: dict):
     "Output throughput and p99 TTFT against the offered request rate (the burst is left out)."
     import matplotlib.pyplot as plt
     runs = [r for r in res["runs"] if r["rate"] != "burst" and r["completed"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(8.5, 3.4), dpi=110)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.8))
     x = [r["rate"] for r in runs]
     a.plot(x, [r["output_throughput"] for r in runs], "o-", label="output tokens/s")
     a.set_xlabel("offered load (requests/s)"); a.set_ylabel("output tokens/s"); a.set_title("throughput")
     b.plot(x, [r["ttft"]["p99_ms"] for r in runs], "o-", color="C3", label="p99 TTFT")
     b.plot(x, [r["ttft"]["p50_ms"] for r in runs], "o--", color="C1", label="p50 TTFT")
-    b.set_xlabel("offered load (requests/s)"); b.set_ylabel("ms"); b.set_title("time to first token"); b.legend()
-    fig.suptitle(f"bench serve, {res['model']}: {machine_label(res['machine'])}", fontsize=8); fig.tight_layout()
+    b.set_xlabel("offered load (requests/s)"); b.set_ylabel("TTFT (ms)"); b.set_title("time to first token"); b.legend()
+    for ax in (a, b): ax.set_ylim(bottom=0)
+    fig.suptitle(f"bench serve, {res['model']}\n{machine_label(res['machine'])}", fontsize=9); fig.tight_layout()
     return fig
 
 # %% ../nbs/11_benchmarks.ipynb #ea33b1ca
@@ -829,6 +834,17 @@ def _model_args(p):
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
     p.add_argument("--output", default=None, help="write the result as JSON to this file (default: none)")
 
+SPECULATIVE_FLAGS = ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min", "prompt_lookup_max")
+
+def _speculative_args(g):
+    "The speculative-decoding flags of `generate` and `serve` (12_speculative_decoding), for the engine under test."
+    from hetero_infer.core import SPECULATIVE_METHODS
+    g.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS, help="ours speculates: ngram (prompt lookup) or draft; the offline run also times ours without it (default: off)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per sequence per step (default: the engine's, 3)")
+    g.add_argument("--speculative-model", default=None, help="draft checkpoint directory for --speculative-method draft (default: none)")
+    g.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram for ngram (default: the engine's, 1)")
+    g.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram for ngram (default: the engine's, 3)")
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     "Add the `offline` and `serve` sub-commands of `hetero-infer bench` and all their options to `parser`."
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve}")
@@ -894,17 +910,6 @@ def _command_line(args) -> str:
     "The command that produced a result, to store beside it."
     argv = getattr(args, "argv", None)
     return ("hetero-infer bench " + " ".join(map(shlex.quote, argv))) if argv is not None else " ".join(map(shlex.quote, ["hetero-infer", *sys.argv[1:]]))
-
-SPECULATIVE_FLAGS = ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min", "prompt_lookup_max")
-
-def _speculative_args(g):
-    "The speculative-decoding flags of `generate` and `serve` (12_speculative_decoding), for the engine under test."
-    from hetero_infer.core import SPECULATIVE_METHODS
-    g.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS, help="ours speculates: ngram (prompt lookup) or draft; the offline run also times ours without it (default: off)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per sequence per step (default: the engine's, 3)")
-    g.add_argument("--speculative-model", default=None, help="draft checkpoint directory for --speculative-method draft (default: none)")
-    g.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram for ngram (default: the engine's, 1)")
-    g.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram for ngram (default: the engine's, 3)")
 
 def _speculative_config(args) -> dict | None:
     "The speculative fields given on the command line (checked by `EngineConfig`), or None when --speculative-method is not."

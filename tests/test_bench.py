@@ -212,7 +212,8 @@ def test_serve_bench_against_real_server(tmp_path, capsys):
     assert bench_command(args) == 0
     printed, res = capsys.readouterr().out, json.loads(out.read_text())
     assert res["command"] == "hetero-infer bench serve --num-requests 6 --rates 20" and res["started_here"] and res["url"].startswith("http://127.0.0.1:")
-    assert f"model: hetero-infer, served by `hetero-infer serve --model {DEMO_MODEL_DIR}` started by this benchmark;" in printed
+    assert f"model: hetero-infer, served by `hetero-infer serve --model {DEMO_MODEL_DIR.name}` started by this benchmark;" in printed
+    assert res["serve_args"] == ["--model", str(DEMO_MODEL_DIR)] and str(DEMO_MODEL_DIR) not in printed   # the JSON keeps the path, the log names the directory
     assert "(started here)" not in printed
     assert [r["rate"] for r in res["runs"]] == [20.0, "burst"]
     for r in res["runs"]:
