@@ -7,9 +7,6 @@ from pathlib import Path
 root = Path(__file__).resolve().parent.parent
 PKG = "hetero_infer"
 
-# TODO(issue 17): cycles being removed in the same pass; delete each entry as its cycle goes, then this set.
-KNOWN_CYCLES: set = set()   # none left: DEMO_MODEL_DIR lives in core, below both engine and demo
-
 def _modules() -> dict[str, Path]:
     return {p.stem: p for p in (root / PKG).glob("*.py") if p.stem != "_modidx"}
 
@@ -53,12 +50,8 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return out
 
 def test_no_import_cycle():
-    found = set(cycles(import_graph()))
-    assert found <= KNOWN_CYCLES, f"import cycles: {[sorted(c) for c in found - KNOWN_CYCLES]}"
-
-def test_known_cycles_still_exist():
-    "An entry of KNOWN_CYCLES that is gone must be deleted, so the list only shrinks."
-    assert KNOWN_CYCLES <= set(cycles(import_graph()))
+    found = cycles(import_graph())
+    assert not found, f"import cycles: {[sorted(c) for c in found]}"
 
 def test_attention_backends_flow_one_way():
     "kernels imports attention (to subclass and register its backend); attention never imports kernels."

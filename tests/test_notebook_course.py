@@ -7,10 +7,6 @@ import pytest
 root = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(p.name for p in (root / "nbs").glob("[0-9]*.ipynb"))
 
-# TODO(issue 17): chapters still being given this shape in the same pass; remove each name as it passes, then the sets.
-KNOWN_NO_RECAP = set()
-KNOWN_UNTESTED_EXPORTS = set()
-
 def _cells(nb: str) -> list[dict]:
     return [dict(c, source="".join(c["source"])) for c in json.loads((root / "nbs" / nb).read_text())["cells"]]
 
@@ -43,13 +39,8 @@ def untested_exports(nb: str) -> list[str]:
 
 @pytest.mark.parametrize("nb", CHAPTERS)
 def test_chapter_opens_and_closes(nb):
-    if nb in KNOWN_NO_RECAP: pytest.skip(f"{nb}: listed in KNOWN_NO_RECAP (TODO issue 17)")
     assert opening_and_closing(nb) == []
 
 @pytest.mark.parametrize("nb", CHAPTERS)
 def test_every_export_has_a_test_under_it(nb):
-    if nb in KNOWN_UNTESTED_EXPORTS: pytest.skip(f"{nb}: listed in KNOWN_UNTESTED_EXPORTS (TODO issue 17)")
     assert untested_exports(nb) == []
-
-def test_known_lists_name_chapters():
-    assert (KNOWN_NO_RECAP | KNOWN_UNTESTED_EXPORTS) <= set(CHAPTERS)

@@ -6,10 +6,6 @@ import pytest
 root = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p for p in (root / "nbs").glob("*.ipynb"))
 
-# TODO(issue 17): notebooks whose stored outputs still have hits; they are being fixed in the same pass. Remove each
-# name as its notebook is cleaned, then remove this set.
-KNOWN_DIRTY = set()
-
 ABS_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|tmp|root|Users|private/var|var/folders)/[\w.-]")
 WIN_PATH = re.compile(r"\b[A-Z]:\\\\?(?:Users|Windows)\\")
 
@@ -37,7 +33,6 @@ def output_problems(nb_path: Path) -> list[str]:
 
 @pytest.mark.parametrize("nb", [p.name for p in NOTEBOOKS])
 def test_no_stored_errors_or_absolute_paths(nb):
-    if nb in KNOWN_DIRTY: pytest.skip(f"{nb}: listed in KNOWN_DIRTY (TODO issue 17)")
     assert output_problems(root / "nbs" / nb) == []
 
 def test_the_checks_catch_what_they_should(tmp_path):
@@ -51,6 +46,3 @@ def test_the_checks_catch_what_they_should(tmp_path):
     probs = output_problems(p)
     assert len(probs) == 4 and all(s.startswith("x.ipynb cell 0: ") for s in probs), probs
     assert ["stored error" in probs[0], "traceback" in probs[1], "/home/me" in probs[2], "/tmp/abc" in probs[3]] == [True] * 4
-
-def test_known_dirty_names_exist():
-    assert KNOWN_DIRTY <= {p.name for p in NOTEBOOKS}
