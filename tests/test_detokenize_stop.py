@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 from hetero_infer.core import SamplingParams
 from hetero_infer.engine import LLM, IncrementalDetokenizer
-from hetero_infer.model import tiny_hf_checkpoint
+from hetero_infer.testing import tiny_hf_checkpoint
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 WORDS = ["hello", "world", "the", "cat", "sat", "on", "mat", "stop", "here", "a", "b"]

@@ -4,7 +4,7 @@ import os
 import pytest, torch
 from hetero_infer.core import SamplingParams
 from hetero_infer.engine import LLM
-from hetero_infer.model import FAMILIES, tiny_hf_checkpoint
+from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 
 # Larger random weights than HF's default (0.02) give well-separated logits, so greedy ties cannot hide a bug
 # (and cannot cause a false alarm); Llama gets Llama-3 rope scaling, Qwen2 tied embeddings.

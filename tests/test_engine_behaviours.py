@@ -3,7 +3,7 @@ of n > 1 requests, and when an aborted request stops counting as unfinished."""
 import pytest
 from hetero_infer.core import SamplingParams
 from hetero_infer.engine import LLM
-from hetero_infer.model import tiny_hf_checkpoint
+from hetero_infer.testing import tiny_hf_checkpoint
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):

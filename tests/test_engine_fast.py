@@ -13,7 +13,7 @@ from hetero_infer.core import EngineConfig, SamplingParams
 from hetero_infer.demo import DEMO_MODEL_DIR
 from hetero_infer.engine import (LLM, LLMEngine, EngineStepError, IncrementalDetokenizer, as_prompt_list, engine_kwargs,
                                  find_stop_string, load_tokenizer)
-from hetero_infer.model import tiny_hf_checkpoint
+from hetero_infer.testing import tiny_hf_checkpoint
 
 CPU = dict(device="cpu", dtype="float32")
 CHAT = [{"role": "user", "content": "reverse: a b c d"}]

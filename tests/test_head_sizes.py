@@ -4,7 +4,8 @@ both attention backends (the Triton one under the interpreter), and the backend 
 import os, warnings
 import pytest, torch
 from hetero_infer.core import EngineConfig
-from hetero_infer.model import ModelConfig, ModelRunner, attention_backend_for, load_model, tiny_hf_checkpoint
+from hetero_infer.model import ModelConfig, ModelRunner, attention_backend_for, load_model
+from hetero_infer.testing import tiny_hf_checkpoint
 from test_model import paged_logits
 
 import transformers

@@ -4,8 +4,8 @@ from types import SimpleNamespace as NS
 import pytest, torch
 from hetero_infer.attention import AttentionMetadata, get_attention_backend
 from hetero_infer.core import EngineConfig, Sequence
-from hetero_infer.model import (FAMILIES, ModelRunner, checkpoint_files, load_model, parse_config, rope_inv_freq,
-                                tiny_hf_checkpoint)
+from hetero_infer.model import (ModelRunner, checkpoint_files, load_model, parse_config, rope_inv_freq)
+from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 
 import transformers
 transformers.utils.logging.disable_progress_bar()

@@ -6,7 +6,7 @@ import os, signal, subprocess, sys, time
 import pytest, torch
 from hetero_infer.core import SamplingParams
 from hetero_infer.engine import LLM, EngineStepError
-from hetero_infer.model import FAMILIES, tiny_hf_checkpoint
+from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 
 # One shape per family that stresses a different part of the split: Llama with an odd vocabulary (padded LM head), Qwen2 with

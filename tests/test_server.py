@@ -62,7 +62,7 @@ def servers(tmp_path_factory):
     speculative decoding (prompt lookup: every answer below must come out as without it), and a tiny random model with a long context, two sequences per step, at most 2 waiting and 4 admitted, so requests stay in flight long enough to observe."""
     demo = Server("--api-key", KEY, "--max-body-bytes", "8192", "--speculative-method", "ngram", "--num-speculative-tokens", "3")          # starts loading while we write the tiny checkpoint
     try:
-        from hetero_infer.model import tiny_hf_checkpoint
+        from hetero_infer.testing import tiny_hf_checkpoint
         path = tmp_path_factory.mktemp("slow")
         tiny_hf_checkpoint(path, "llama", max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     except BaseException:

@@ -5,7 +5,7 @@ import json, math
 import pytest, torch
 from hetero_infer.core import EngineConfig, SamplingParams
 from hetero_infer.engine import LLM
-from hetero_infer.model import FAMILIES, tiny_hf_checkpoint
+from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from hetero_infer.sampler import Sampler, sampling_probs
 from hetero_infer.core import Sequence
 from hetero_infer.speculative import ngram_propose, truncated_draft
