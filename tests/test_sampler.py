@@ -487,3 +487,25 @@ def test_reclaimed_row_does_not_answer_for_a_new_sequence_at_the_same_id():
     rows = pc.update([a])
     got = sorted(zip(*(t.tolist() for t in pc.pairs(rows))))
     assert got == [(0, 1, 0.0), (0, 2, 0.0), (0, 3, 1.0)]
+
+def test_presence_penalty_hits_tokens_in_the_output_once_or_more_and_not_prompt_only_ones():
+    V, x = 6, torch.zeros(1, 6)
+    rows, toks, counts = seen_tokens([[1]], [[2, 3, 3]], V)              # 1: prompt only; 2: once; 3: twice
+    got = apply_penalties(x, rows, toks, counts, torch.tensor([0.5]), torch.tensor([0.0]), torch.tensor([1.0]))
+    assert got.tolist() == [[0.0, 0.0, -0.5, -0.5, 0.0, 0.0]]
+
+def test_min_p_keeps_a_token_exactly_at_the_threshold():
+    "min_p keeps tokens with probability >= min_p x the largest (vLLM's rule): 0.25 survives min_p 0.5 against 0.5."
+    x = torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.0]]))
+    probs = sampling_probs(x, torch.tensor([1.0]), torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5]))
+    assert (probs > 0).tolist() == [[True, True, True, False]]
+
+def test_min_p_zero_leaves_the_softmax_bit_for_bit():
+    x = rand_logits(4, 50, 0)
+    probs = sampling_probs(x, torch.ones(4), torch.full((4,), 50), torch.ones(4), torch.zeros(4))
+    assert torch.equal(probs, x.softmax(-1))
+
+def test_chosen_token_tied_with_the_top_has_rank_one():
+    "Rank counts the tokens strictly more likely, plus one; a tie with the top token is rank 1 whatever order top-k lists them in."
+    lps, tops = token_logprobs(torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([1]), [2])
+    assert tops[0][1].rank == 1 and tops[0][0].rank == 1 and tops[0][1].logprob == pytest.approx(lps[0])
