@@ -522,7 +522,9 @@ def test_admission_reserves_seats_for_forks_only_before_the_first_token():
     sch = make_sched(max_num_seqs=2)
     sch.add(_seq(0, "a")); sch.update(sch.schedule())
     late = Sequence(1, "b", [1, 2, 3, 4, 5], 4, SamplingParams(n=2, max_tokens=4))   # forked already (one output token)
-    sch.add(late); sch.schedule()
+    sch.add(late)
+    assert sch.num_admitted() == 2                                       # no seat for a fork it already made
+    sch.schedule()
     assert late.status is RUNNING                                        # 1 running + 1 seat
     sch, lead, sib = _group(max_num_seqs=2)
     sch.add(lead); sch.add(sib); sch.schedule()
