@@ -434,24 +434,17 @@ class ModelRunner:
 
     def prepare(self, sched_out):
         "Flat input_ids (T,), positions (T,), AttentionMetadata and the rows (N,) of the tokens that sample (k + 1 rows for a sequence verifying k proposals)."
-        ids, pos, slots, seq_lens, tables, sample_rows, qsl, first = [], [], [], [], [], [], [0], {}
-        def rows(item, starts):                     # add `item`'s tokens as one query chunk, or (a verification) as one decode per token
+        ids, pos, slots, seq_lens, tables, sample_rows, qsl = [], [], [], [], [], [], [0]
+        for item in sched_out.scheduled:            # a verification of k proposals is a chunk of k + 1 tokens, like a prefill chunk
             seq, n, start = item.seq, item.num_tokens, item.seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]; pos += range(start, start + n); slots += list(item.slot_mapping)
+            seq_lens.append(start + n); qsl.append(qsl[-1] + n)
             need = -(-(start + n) // self.block_size)                                  # blocks the context spans
             if len(seq.block_table) < need: raise RuntimeError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, needs {need} for {start + n} tokens")
-            first[id(item)] = qsl[-1]
-            ids.extend(seq.token_ids[start:start + n]); pos.extend(range(start, start + n)); slots.extend(item.slot_mapping)
-            for end in (range(start + 1, start + n + 1) if starts else (start + n,)):
-                seq_lens.append(end); qsl.append(qsl[-1] + (1 if starts else n)); tables.append(seq.block_table[:-(-end // self.block_size)])
-        chunks = [it for it in sched_out.scheduled if it.num_tokens > 1 and not it.seq.num_spec_tokens]
-        for item in sched_out.scheduled:            # decodes, and verifications of k proposals as k + 1 decodes, first
-            if item.num_tokens == 1 or item.seq.num_spec_tokens: rows(item, True)
-        num_decodes = len(tables)
-        for item in chunks: rows(item, False)
-        for item in sched_out.scheduled:            # the rows that sample, in `scheduled` order: the last token's, and each proposal's
-            seq, end = item.seq, first[id(item)] + item.num_tokens
-            if seq.num_computed_tokens + item.num_tokens == len(seq): sample_rows.extend(range(end - 1 - seq.num_spec_tokens, end))
+            tables.append(list(seq.block_table[:need]))
+            if start + n == len(seq): sample_rows += range(qsl[-1] - 1 - seq.num_spec_tokens, qsl[-1])   # and each proposal's row
         M = max(len(t) for t in tables)
+        num_decodes = next((i for i, item in enumerate(sched_out.scheduled) if item.num_tokens != 1), len(tables))
         def t(x, dt): return torch.tensor(x, dtype=dt).to(self.device, non_blocking=True)
         meta = AttentionMetadata(slot_mapping=t(slots, torch.int64), query_start_loc=t(qsl, torch.int32), seq_lens=t(seq_lens, torch.int32),
                                  block_tables=t([b + [0] * (M - len(b)) for b in tables], torch.int32), num_decodes=num_decodes,

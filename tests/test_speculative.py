@@ -187,3 +187,12 @@ def test_config_errors_name_the_field(tmp_path):
         LLM(device="cpu", speculative_method="draft", speculative_model=str(other))
     with pytest.raises(ValueError, match="speculative_model"):
         LLM(device="cpu", speculative_method="draft", speculative_model=str(tmp_path / "missing"))
+
+def test_verification_through_the_triton_backend():
+    "The verification chunk runs through the Triton kernels too (the interpreter on a CPU): same greedy tokens, proposals accepted."
+    qs = [format_prompt("sort: a b c d e f g h"), format_prompt("reverse: a b c"), format_prompt("sort: b a c d e")]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    ref = [o.outputs[0].token_ids for o in demo().generate(qs, sp, use_tqdm=False)]
+    llm = demo(attention_backend="triton", speculative_method="ngram", num_speculative_tokens=4)
+    assert [o.outputs[0].token_ids for o in llm.generate(qs, sp, use_tqdm=False)] == ref
+    assert llm.engine.stats["speculative"]["num_accepted_tokens"] > 0
