@@ -198,3 +198,112 @@ def test_sampling_params_accepts_the_bounds(field, value):
 def test_min_tokens_at_most_max_tokens():
     with pytest.raises(ValueError, match="^min_tokens must be <= max_tokens"): SamplingParams(min_tokens=5, max_tokens=4)
     SamplingParams(min_tokens=4, max_tokens=4)
+
+
+# --- exact messages and normalizations (issue 18: from a full mutation run of core) ----------------------------------
+
+from hetero_infer.core import Sequence
+
+# (what is built, its arguments, the exception, its message): every message names the field, the rule and the value.
+BAD = [
+    ('E', {'model': 5}, 'ValueError', 'model must be a path or None, got 5'),
+    ('E', {'tokenizer': 5}, 'ValueError', 'tokenizer must be a path or None, got 5'),
+    ('E', {'dtype': 'float8'}, 'ValueError', "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got 'float8'"),
+    ('E', {'dtype': None}, 'ValueError', "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got None"),
+    ('E', {'dtype': ['float16']}, 'ValueError', "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got ['float16']"),
+    ('E', {'device': 'tpu'}, 'ValueError', "device must be one of ('auto', 'cpu', 'cuda') or 'cuda:N', got 'tpu'"),
+    ('E', {'attention_backend': 'x'}, 'ValueError', "attention_backend must be one of ('auto', 'torch', 'triton'), got 'x'"),
+    ('E', {'block_size': 3}, 'ValueError', 'block_size must be a power of two in [1, 256], got 3'),
+    ('E', {'block_size': 512}, 'ValueError', 'block_size must be a power of two in [1, 256], got 512'),
+    ('E', {'num_blocks': 0}, 'ValueError', 'num_blocks must be an integer >= 1 or None, got 0'),
+    ('E', {'gpu_memory_utilization': 0}, 'ValueError', 'gpu_memory_utilization must be in (0, 1], got 0'),
+    ('E', {'memory_threshold': 0}, 'ValueError', 'memory_threshold must be in (0, 1], got 0'),
+    ('E', {'max_num_seqs': 0}, 'ValueError', 'max_num_seqs must be an integer >= 1, got 0'),
+    ('E', {'max_admitted_seqs': 0}, 'ValueError', 'max_admitted_seqs must be an integer >= 1 or None, got 0'),
+    ('E', {'max_retry_attempts': -1}, 'ValueError', 'max_retry_attempts must be an integer >= 0, got -1'),
+    ('E', {'tensor_parallel_size': 0}, 'ValueError', 'tensor_parallel_size must be an integer >= 1, got 0'),
+    ('E', {'tensor_parallel_size': 1.0}, 'ValueError', 'tensor_parallel_size must be an integer >= 1, got 1.0'),
+    ('E', {'max_num_batched_tokens': 0}, 'ValueError', 'max_num_batched_tokens must be an integer >= 1, got 0'),
+    ('E', {'max_model_len': 0}, 'ValueError', 'max_model_len must be an integer >= 1 or None, got 0'),
+    ('E', {'enable_prefix_caching': 1}, 'ValueError', 'enable_prefix_caching must be a bool, got 1'),
+    ('E', {'seed': 1.5}, 'ValueError', 'seed must be an integer, got 1.5'),
+    ('E', {'speculative_method': 'x'}, 'ValueError', "speculative_method must be None or one of ('ngram', 'draft'), got 'x'"),
+    ('E', {'num_speculative_tokens': 0}, 'ValueError', 'num_speculative_tokens must be an integer in [1, 16], got 0'),
+    ('E', {'num_speculative_tokens': 17}, 'ValueError', 'num_speculative_tokens must be an integer in [1, 16], got 17'),
+    ('E', {'num_speculative_tokens': 2.0}, 'ValueError', 'num_speculative_tokens must be an integer in [1, 16], got 2.0'),
+    ('E', {'speculative_method': 'draft', 'speculative_model': 5}, 'ValueError', 'speculative_model must be a path or None, got 5'),
+    ('E', {'speculative_method': 'draft'}, 'ValueError', "speculative_model must name the draft checkpoint directory when speculative_method is 'draft'"),
+    ('E', {'speculative_model': '/d'}, 'ValueError', "speculative_model is only used with speculative_method='draft', got speculative_method=None"),
+    ('E', {'speculative_method': 'ngram', 'speculative_model': '/d'}, 'ValueError', "speculative_model is only used with speculative_method='draft', got speculative_method='ngram'"),
+    ('E', {'prompt_lookup_min': 0}, 'ValueError', 'prompt_lookup_min must be an integer >= 1, got 0'),
+    ('E', {'prompt_lookup_max': 0}, 'ValueError', 'prompt_lookup_max must be an integer >= 1, got 0'),
+    ('E', {'prompt_lookup_min': 1.0}, 'ValueError', 'prompt_lookup_min must be an integer >= 1, got 1.0'),
+    ('E', {'prompt_lookup_min': 3, 'prompt_lookup_max': 2}, 'ValueError', 'prompt_lookup_min must be <= prompt_lookup_max (2), got 3'),
+    ('S', {'host': ''}, 'ValueError', "serving.host must be a non-empty string, got ''"),
+    ('S', {'port': -1}, 'ValueError', 'serving.port must be an integer in [0, 65535], got -1'),
+    ('S', {'port': 65536}, 'ValueError', 'serving.port must be an integer in [0, 65535], got 65536'),
+    ('S', {'model_name': ''}, 'ValueError', "serving.model_name must be a non-empty string or None, got ''"),
+    ('S', {'api_key': 5}, 'ValueError', 'serving.api_key must be a string or None, got 5'),
+    ('S', {'max_queued_requests': 0}, 'ValueError', 'serving.max_queued_requests must be an integer >= 1, got 0'),
+    ('P', {'n': 0}, 'ValueError', 'n must be an integer >= 1, got 0'),
+    ('P', {'temperature': -1}, 'ValueError', 'temperature must be >= 0, got -1'),
+    ('P', {'top_p': 0}, 'ValueError', 'top_p must be in (0, 1], got 0'),
+    ('P', {'top_k': -2}, 'ValueError', 'top_k must be -1, 0 (disabled) or a positive integer, got -2'),
+    ('P', {'min_p': 2}, 'ValueError', 'min_p must be in [0, 1], got 2'),
+    ('P', {'presence_penalty': 3}, 'ValueError', 'presence_penalty must be in [-2, 2], got 3'),
+    ('J', [1], 'ValueError', 'config must be a JSON object, got list'),
+    ('J', {'serving': {'x': 1}}, 'ValueError', 'unknown config key(s) serving.x; known: api_key, host, max_queued_requests, model_name, port'),
+    ('J', {'bogus': 1}, 'ValueError', 'unknown config key(s) bogus; known: attention_backend, block_size, device, dtype, enable_chunked_prefill, enable_prefix_caching, gpu_memory_utilization, max_admitted_seqs, max_model_len, max_num_batched_tokens, max_num_seqs, max_retry_attempts, memory_threshold, model, num_blocks, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, seed, serving, speculative_method, speculative_model, tensor_parallel_size, tokenizer'),
+    ('J', {'tokenizer': {'kind': 'huggingface', 'path': '/t', 'x': 1, 'y': 2}}, 'ValueError', 'unknown config key(s) tokenizer.x, tokenizer.y; known: kind, path'),
+    ('J', {'tokenizer': {'kind': 'bpe'}}, 'ValueError', "tokenizer.kind must be one of ('simple', 'huggingface') (both load a Hugging Face tokenizer), got 'bpe'"),
+    ('J', {'tokenizer': {'path': ''}}, 'ValueError', "tokenizer.path must be a directory path or null (the model's own tokenizer), got ''"),
+    ('J', {'serving': {'backend': 5}}, 'ValueError', 'serving.backend must be an object, got 5'),
+    ('J', {'serving': {'backend': {'kind': 'local_engine', 'x': 1, 'y': 2}}}, 'ValueError', 'unknown config key(s) serving.backend.x, serving.backend.y; known: kind, command'),
+    ('J', {'serving': {'backend': {'kind': 'command_bridge'}}}, 'ValueError', "serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine runs the model in-process and batches requests itself; use 'local_engine'"),
+    ('J', {'serving': {'backend': {'kind': 'remote'}}}, 'ValueError', "serving.backend.kind must be 'local_engine' (the model runs in this process), got 'remote'"),
+    ('J', {'serving': {'backend': {'command': 'echo'}}}, 'ValueError', "serving.backend.command must be null: only 'command_bridge' uses a command, got 'echo'"),
+    ('F', '/no/such/config.json', 'ValueError', "config file '/no/such/config.json' cannot be read: No such file or directory"),
+    ('Q', {'num_prompt_tokens': 0}, 'ValueError', 'num_prompt_tokens must be in [1, 3], got 0'),
+    ('Q', {'num_prompt_tokens': 4}, 'ValueError', 'num_prompt_tokens must be in [1, 3], got 4'),
+]
+
+def _build_case(kind, kw):
+    if kind == "E": return EngineConfig(**kw)
+    if kind == "S": return ServingConfig(**kw)
+    if kind == "P": return SamplingParams(**kw)
+    if kind in "JF": return EngineConfig.from_json(kw)
+    if kind == "Q": return Sequence(0, "r", [1, 2, 3], kw["num_prompt_tokens"])
+
+@pytest.mark.parametrize("kind,kw,exc,msg", BAD, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD)])
+def test_every_refusal_has_its_exact_message(kind, kw, exc, msg):
+    with pytest.raises(ValueError) as e: _build_case(kind, kw)
+    assert type(e.value).__name__ == exc and str(e.value) == msg
+
+def test_accepted_edges_and_normalizations():
+    assert ServingConfig(port=0).port == 0 and ServingConfig(port=65535).port == 65535
+    c = EngineConfig(model=Path("/m"), speculative_method="draft", speculative_model=Path("/d"), num_speculative_tokens=16,
+                     prompt_lookup_min=2, prompt_lookup_max=2, block_size=256, tensor_parallel_size=1)
+    assert (c.model, c.speculative_model, c.num_speculative_tokens, c.block_size) == ("/m", "/d", 16, 256)
+    assert EngineConfig(num_speculative_tokens=1, speculative_method="ngram").num_speculative_tokens == 1
+    assert SamplingParams(stop="x").stop == ["x"]
+    g = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)        # greedy: the filters are moot and reset
+    assert (g.top_p, g.top_k, g.min_p) == (1.0, 0, 0.0)
+    assert EngineConfig.from_json('  {"seed": 3}').seed == 3                # leading whitespace is still JSON text
+    assert EngineConfig.from_json({"tokenizer": {"path": "/t"}}).tokenizer == "/t"       # kind defaults to huggingface
+    assert EngineConfig.from_json({"serving": {"backend": {"command": None}, "port": 1}}).serving.port == 1   # kind defaults to local_engine
+    assert EngineConfig.from_json({"serving": {"port": 2}, "max_batch_size": 3}).serving.port == 2            # no backend object at all
+    s = EngineConfig(seed=3).to_json()
+    assert s == json.dumps(EngineConfig(seed=3).to_dict(), indent=2) and '\n  "seed": 3' in s
+
+def test_fork_copies_the_state_a_child_continues_from():
+    p = Sequence(0, "r", [1, 2, 3, 4], 3, SamplingParams(n=2))
+    p.block_table, p.block_hashes, p.num_computed_tokens, p.num_cached_tokens = [7, 8], [11], 3, 2
+    c = p.fork(1, index=1)
+    assert (c.seq_id, c.index, c.token_ids, c.num_computed_tokens, c.num_cached_tokens) == (1, 1, [1, 2, 3, 4], 3, 2)
+    assert c.block_table == [] and c.block_hashes == [11] and c.block_hashes is not p.block_hashes
+
+def test_request_output_repr():
+    outs = [CompletionOutput(0, "hi", [1, 2], finish_reason="stop"), CompletionOutput(1, "", [], finish_reason="error")]
+    r = RequestOutput("a", "p", [5], outs, True, error="boom")
+    assert repr(r) == "RequestOutput('a', prompt='p', finished=True, error='boom': [0] 'hi' (2 tok, stop); [1] '' (0 tok, error))"
+    assert repr(RequestOutput("b", None, [5], outs[:1])) == "RequestOutput('b', prompt=None, finished=False: [0] 'hi' (2 tok, stop))"
