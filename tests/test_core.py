@@ -265,6 +265,19 @@ BAD = [
     ('F', '/no/such/config.json', 'ValueError', "config file '/no/such/config.json' cannot be read: No such file or directory"),
     ('Q', {'num_prompt_tokens': 0}, 'ValueError', 'num_prompt_tokens must be in [1, 3], got 0'),
     ('Q', {'num_prompt_tokens': 4}, 'ValueError', 'num_prompt_tokens must be in [1, 3], got 4'),
+    ('P', {'repetition_penalty': 0}, 'ValueError', 'repetition_penalty must be > 0, got 0'),
+    ('P', {'seed': 1.5}, 'ValueError', 'seed must be an integer or None, got 1.5'),
+    ('P', {'stop': ['']}, 'ValueError', "stop must be non-empty strings, got ['']"),
+    ('P', {'stop_token_ids': [-1]}, 'ValueError', 'stop_token_ids must be non-negative integers, got [-1]'),
+    ('P', {'ignore_eos': 1}, 'ValueError', 'ignore_eos must be a bool, got 1'),
+    ('P', {'max_tokens': 0}, 'ValueError', 'max_tokens must be an integer >= 1 or None, got 0'),
+    ('P', {'min_tokens': -1}, 'ValueError', 'min_tokens must be an integer >= 0, got -1'),
+    ('P', {'logprobs': 21}, 'ValueError', 'logprobs must be an integer in [0, 20] or None, got 21'),
+    ('P', {'skip_special_tokens': 1}, 'ValueError', 'skip_special_tokens must be a bool, got 1'),
+    ('P', {'include_stop_str_in_output': 1}, 'ValueError', 'include_stop_str_in_output must be a bool, got 1'),
+    ('P', {'detokenize': 1}, 'ValueError', 'detokenize must be a bool, got 1'),
+    ('P', {'stop': ['x'], 'detokenize': False}, 'ValueError', 'stop strings need the text: set detokenize=True, or use stop_token_ids'),
+    ('E', {'block_size': 0}, 'ValueError', 'block_size must be a power of two in [1, 256], got 0'),
 ]
 
 def _build_case(kind, kw):
@@ -280,7 +293,7 @@ def test_every_refusal_has_its_exact_message(kind, kw, exc, msg):
     assert type(e.value).__name__ == exc and str(e.value) == msg
 
 def test_accepted_edges_and_normalizations():
-    assert ServingConfig(port=0).port == 0 and ServingConfig(port=65535).port == 65535
+    assert ServingConfig(port=0).port == 0 and ServingConfig(port=65535).port == 65535 and ServingConfig(max_queued_requests=1).max_queued_requests == 1
     c = EngineConfig(model=Path("/m"), speculative_method="draft", speculative_model=Path("/d"), num_speculative_tokens=16,
                      prompt_lookup_min=2, prompt_lookup_max=2, block_size=256, tensor_parallel_size=1)
     assert (c.model, c.speculative_model, c.num_speculative_tokens, c.block_size) == ("/m", "/d", 16, 256)
