@@ -278,6 +278,8 @@ def test_prefix_cache_hits_are_reported():
     first, again = demo.generate([p], sp, use_tqdm=False)[0], demo.generate([p], sp, use_tqdm=False)[0]
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 16)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    off = LLM(**CPU, num_blocks=64, enable_prefix_caching=False)
+    assert [off.generate([p], sp, use_tqdm=False)[0].num_cached_tokens for _ in range(2)] == [0, 0]
 
 
 # ---- logprobs --------------------------------------------------------------------------------------------------------
