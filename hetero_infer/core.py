@@ -139,6 +139,7 @@ class EngineConfig:
 
     def __post_init__(self):
         if isinstance(self.serving, dict): self.serving = _build(ServingConfig, self.serving, "serving.")
+        _check(isinstance(self.serving, ServingConfig), "serving", f"must be an object (host, port, model_name, api_key, max_queued_requests), got {self.serving!r}")
         _check(self.model is None or isinstance(self.model, (str, Path)), "model", f"must be a path or None, got {self.model!r}")
         if isinstance(self.model, Path): self.model = str(self.model)
         _check(self.tokenizer is None or isinstance(self.tokenizer, (str, Path)), "tokenizer", f"must be a path or None, got {self.tokenizer!r}")

@@ -133,7 +133,9 @@ def _tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
         extra = sorted(set(prompt) - set(PROMPT_KEYS))
         if extra or not prompt: raise ValueError(f"prompt dict must have 'prompt' or 'prompt_token_ids' (and nothing else), got keys {sorted(prompt)}")
         if "prompt_token_ids" not in prompt: return _tokenize(self, prompt["prompt"])
-        text, ids = _tokenize(self, list(prompt["prompt_token_ids"]) if isinstance(prompt["prompt_token_ids"], (list, tuple)) else prompt["prompt_token_ids"])
+        if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt['prompt_token_ids']).__name__}")
+        text, ids = _tokenize(self, list(prompt["prompt_token_ids"]))
         return prompt.get("prompt"), ids
     if isinstance(prompt, str):
         if self.tokenizer is None: raise ValueError("prompt: this model directory has no tokenizer; pass token ids instead of text")

@@ -320,3 +320,10 @@ def test_request_output_repr():
     r = RequestOutput("a", "p", [5], outs, True, error="boom")
     assert repr(r) == "RequestOutput('a', prompt='p', finished=True, error='boom': [0] 'hi' (2 tok, stop); [1] '' (0 tok, error))"
     assert repr(RequestOutput("b", None, [5], outs[:1])) == "RequestOutput('b', prompt=None, finished=False: [0] 'hi' (2 tok, stop))"
+
+def test_serving_must_be_an_object():
+    "A `serving` that is neither a dict nor a ServingConfig is refused naming the field (it was accepted: found by a mutation run)."
+    for bad in (5, "x", [1]):
+        with pytest.raises(ValueError, match="serving must be an object"): EngineConfig(serving=bad)
+    with pytest.raises(ValueError, match="serving must be an object"): EngineConfig.from_json('{"serving": "x"}')
+    assert EngineConfig(serving={"port": 9}).serving.port == 9

@@ -565,3 +565,10 @@ def test_speculation_gives_the_plain_outputs_in_fewer_steps():
     assert ss["generation_tokens"] == ps["generation_tokens"] and ss["steps"] < ps["steps"]
     assert ss["speculative"]["num_accepted_tokens"] > 0 and ss["speculative"]["num_draft_tokens"] > ss["speculative"]["num_accepted_tokens"]
     assert spec.engine.block_manager.num_free_blocks() == 64 and not spec.engine.has_unfinished_requests()
+
+def test_prompt_token_ids_must_be_a_list():
+    "{'prompt_token_ids': 'text'} is refused, not tokenized as text (found by a mutation run)."
+    llm = LLM(device="cpu")
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list"): llm.generate({"prompt_token_ids": "some text"}, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate({"prompt_token_ids": (5, 6, 7)}, SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_token_ids == [5, 6, 7]
