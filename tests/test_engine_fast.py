@@ -178,7 +178,7 @@ def test_bad_prompts_are_rejected_with_a_message(tiny_path):
     assert _error(eng.add_request, "a", [True, 2]) == f"{kinds} list"
     assert _error(eng.add_request, "a", ["a", "b"]) == f"{kinds} list"
     assert _error(eng.add_request, "a", torch.tensor(P6)) == f"{kinds} Tensor"
-    assert _error(eng.add_request, "a", {"prompt_token_ids": torch.tensor(P6)}) == f"{kinds} Tensor"
+    assert _error(eng.add_request, "a", {"prompt_token_ids": torch.tensor(P6)}) == "prompt_token_ids must be a list of token ids, got Tensor"
     assert _error(eng.add_request, "a", "text") == "prompt: this model directory has no tokenizer; pass token ids instead of text"
     assert _error(eng.add_request, "a", {"prompt": "text"}).startswith("prompt: this model directory has no tokenizer")
     assert _error(eng.add_request, "a", []) == "prompt must not be empty"
