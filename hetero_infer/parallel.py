@@ -4,7 +4,7 @@
 
 # %% ../nbs/13_tensor_parallel.ipynb #f42ff3ec
 from __future__ import annotations
-import atexit, dataclasses, datetime, json, os, socket, time
+import atexit, dataclasses, datetime, json, os, socket, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -294,9 +294,17 @@ def _free_port() -> int:
 
 def _under_torchrun() -> bool: return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
+def _check_spawnable():
+    "Spawned workers re-import the parent's main script: refuse at once (not after the 2-minute rendezvous timeout) when it is not a file."
+    f = getattr(sys.modules.get("__main__"), "__file__", None)   # None: `python -c`, Jupyter, an embedded interpreter: fine
+    if f is not None and not Path(f).is_file():
+        raise ValueError(f"tensor_parallel_size: worker processes re-import the main script, and {f!r} is not a file "
+                         "(code read from stdin?); run it from a script file or `python -c`, or launch the ranks with torchrun")
+
 def start_workers(config, world_size: int) -> TensorParallelRunner:
     "Spawn ranks 1..world_size-1 on this machine, join them as rank 0, and return rank 0's runner."
     import torch.multiprocessing as mp
+    _check_spawnable()
     shard_plan(parse_config(json.loads((Path(config.model) / "config.json").read_text())), 0, world_size)   # refuse before spawning
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")

@@ -157,3 +157,12 @@ def test_bench_offline_with_two_ranks(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["config"]["tensor_parallel_size"] == 2 and "tensor_parallel_size=2" in res["results"][0]["system"], res["results"][0]
+
+def test_code_from_stdin_is_refused_at_once():
+    "Workers re-import the main script; from stdin they cannot: a clear error in seconds, not a 2-minute rendezvous timeout."
+    import subprocess, sys, time
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-"], input='from hetero_infer.engine import LLM\nLLM(device="cpu", tensor_parallel_size=2)\n',
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0 and "tensor_parallel_size: worker processes re-import the main script" in r.stderr
+    assert time.monotonic() - t < 60
