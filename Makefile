@@ -20,11 +20,13 @@ endif
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 NBDEV_WORKERS ?= 2
 
-.PHONY: help setup install-torch demo test export check-sync check-clean readme check-readme nbtest pytest docs-check clean mutation
+.PHONY: help setup install-torch demo test export lint check-sync check-clean readme check-readme nbtest pytest docs-check clean mutation
 
 help:
 	@echo "make demo        set up, then run the main job on the shipped demo model"
-	@echo "make test        set up, then check notebooks/library sync and run every test"
+	@echo "make test        set up, then check notebooks/library sync, lint, and run every test"
+	@echo "make export      nbdev_export, then ruff format the generated modules (use it instead of nbdev_export)"
+	@echo "make lint        ruff format --check and ruff check over nbs/, hetero_infer/, tests/, .ci/"
 	@echo "make docs-check  render every notebook to HTML (no Quarto) and fail on any error"
 	@echo "make mutation    mutation-test block_manager, scheduler, sampler, engine, core (slow; not part of make test)"
 
@@ -52,8 +54,15 @@ endif
 demo: setup
 	$(BIN)/hetero-infer demo
 
+# nbdev writes `__all__` 120 columns wide; ruff formats the generated modules as it formats the notebooks.
 export:
 	$(BIN)/nbdev_export
+	$(BIN)/ruff format --quiet hetero_infer
+
+# ruff (rules in pyproject.toml): every notebook, module, test and CI script formatted and checked.
+lint:
+	$(BIN)/ruff format --check --quiet nbs hetero_infer tests .ci || { echo "run: $(BIN)/ruff format nbs tests .ci && make export"; exit 1; }
+	$(BIN)/ruff check --quiet nbs hetero_infer tests .ci
 
 check-sync: export
 	@test -z "$$(git status --porcelain -- hetero_infer)" || { git status --porcelain -- hetero_infer; \
@@ -79,7 +88,7 @@ nbtest:
 pytest:
 	$(TEST_ENV) $(PY) -m pytest tests -q
 
-test: setup check-sync check-clean check-readme nbtest pytest
+test: setup check-sync check-clean check-readme lint nbtest pytest
 
 # mutmut 3 (config in setup.cfg), module by module, niced; results accumulate in mutants/ (git-ignored), each run's log
 # in mutants/run-MODULE.log. Fails when mutmut fails. Score per module = killed / mutants checked (killed, survived,

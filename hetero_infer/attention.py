@@ -4,80 +4,124 @@
 
 # %% ../nbs/03_attention_reference.ipynb #aec7eeba
 from __future__ import annotations
-import importlib, warnings
+import importlib
+import warnings
 from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['BUCKET_BYTES', 'ATTENTION_BACKENDS', 'BACKEND_PROVIDERS', 'write_kv', 'gather_kv', 'attention_buckets',
-           'AttentionBucket', 'plan_attention', 'bucketed_attention', 'bucket_keys', 'paged_decode_attention',
-           'paged_prefill_attention', 'AttentionMetadata', 'AttentionBackend', 'TorchAttentionBackend',
-           'register_attention_backend', 'get_attention_backend']
+__all__ = [
+    "BUCKET_BYTES",
+    "ATTENTION_BACKENDS",
+    "BACKEND_PROVIDERS",
+    "write_kv",
+    "gather_kv",
+    "attention_buckets",
+    "AttentionBucket",
+    "plan_attention",
+    "bucketed_attention",
+    "bucket_keys",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "AttentionMetadata",
+    "AttentionBackend",
+    "TorchAttentionBackend",
+    "register_attention_backend",
+    "get_attention_backend",
+]
+
 
 # %% ../nbs/03_attention_reference.ipynb #02378569
-def write_kv(k: torch.Tensor,        # (T, Hkv, D) this step's keys
-             v: torch.Tensor,        # (T, Hkv, D) this step's values
-             k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
-             v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
-             slot_mapping: torch.Tensor):  # (T,) int64 slot of each token; negative = padding, skipped
+def write_kv(
+    k: torch.Tensor,  # (T, Hkv, D) this step's keys
+    v: torch.Tensor,  # (T, Hkv, D) this step's values
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
+    slot_mapping: torch.Tensor,
+):  # (T,) int64 slot of each token; negative = padding, skipped
     "Scatter one step's K/V into the paged cache: slot `s` goes to block `s // bs`, offset `s % bs`."
     bs = k_cache.shape[1]
     slot_mapping = slot_mapping.long()
     keep = slot_mapping >= 0
-    if not bool(keep.all()): k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     blk, off = slot_mapping // bs, slot_mapping % bs
     k_cache[blk, off] = k.to(k_cache.dtype)
     v_cache[blk, off] = v.to(v_cache.dtype)
 
+
 # %% ../nbs/03_attention_reference.ipynb #1f1b1e64
-def gather_kv(cache: torch.Tensor,        # (num_blocks, bs, Hkv, D)
-              block_tables: torch.Tensor, # (S, M) int block ids, padded with 0
-              max_len: int):              # gather positions 0 .. max_len-1
+def gather_kv(
+    cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    block_tables: torch.Tensor,  # (S, M) int block ids, padded with 0
+    max_len: int,
+):  # gather positions 0 .. max_len-1
     "Copy each sequence's first `max_len` cache positions into a contiguous head-major `(S, Hkv, max_len, D)` tensor (SDPA's layout)."
     bs, Hkv = cache.shape[1], cache.shape[2]
-    assert max_len <= block_tables.shape[1] * bs, f"max_len {max_len} exceeds the block tables' {block_tables.shape[1]} blocks of {bs}"
-    pos = torch.arange(max_len, device=cache.device)                # (L,)
-    blocks = block_tables.long()[:, None, pos // bs]                # (S, 1, L) block holding each position
-    heads = torch.arange(Hkv, device=cache.device)[None, :, None]   # (1, Hkv, 1)
-    return cache[blocks, (pos % bs)[None, None], heads]             # (S, Hkv, L, D)
+    assert max_len <= block_tables.shape[1] * bs, (
+        f"max_len {max_len} exceeds the block tables' {block_tables.shape[1]} blocks of {bs}"
+    )
+    pos = torch.arange(max_len, device=cache.device)  # (L,)
+    blocks = block_tables.long()[:, None, pos // bs]  # (S, 1, L) block holding each position
+    heads = torch.arange(Hkv, device=cache.device)[None, :, None]  # (1, Hkv, 1)
+    return cache[blocks, (pos % bs)[None, None], heads]  # (S, Hkv, L, D)
+
 
 # %% ../nbs/03_attention_reference.ipynb #0419efaf
-def attention_buckets(q_lens: list[int],      # per sequence: its queries in this step
-                      key_lens: list[int],    # per sequence: the keys it reads
-                      waste: float = 1.25,    # a bucket's padded work may exceed its real work by this factor
-                      max_keys: int = 8192,   # and it gathers at most this many keys (unless one sequence alone needs more)
-                      ) -> list[list[int]]:
+def attention_buckets(
+    q_lens: list[int],  # per sequence: its queries in this step
+    key_lens: list[int],  # per sequence: the keys it reads
+    waste: float = 1.25,  # a bucket's padded work may exceed its real work by this factor
+    max_keys: int = 8192,  # and it gathers at most this many keys (unless one sequence alone needs more)
+) -> list[list[int]]:
     "Groups of sequence indices, in increasing `key_lens` order, each padded at most `waste` x its real query x key work."
     groups, cur, real, qmax = [], [], 0, 0
     for i in sorted(range(len(key_lens)), key=key_lens.__getitem__):
         q, n = q_lens[i], key_lens[i]
-        if cur and ((len(cur) + 1) * max(qmax, q) * n > waste * (real + q * n) or (len(cur) + 1) * n > max_keys):
-            groups.append(cur); cur, real, qmax = [], 0, 0
-        cur.append(i); real += q * n; qmax = max(qmax, q)
+        if cur and (
+            (len(cur) + 1) * max(qmax, q) * n > waste * (real + q * n)
+            or (len(cur) + 1) * n > max_keys
+        ):
+            groups.append(cur)
+            cur, real, qmax = [], 0, 0
+        cur.append(i)
+        real += q * n
+        qmax = max(qmax, q)
     return groups + [cur] if cur else groups
+
 
 # %% ../nbs/03_attention_reference.ipynb #253037e1
 @dataclass
 class AttentionBucket:
     "Sequences attended together by one SDPA call: keys gathered into (Sb, Lb), queries into (Sb, Qb)."
-    slots: torch.Tensor           # (Sb*Lb,) int64 cache slot of each gathered key (padding repeats the last real key)
-    q_rows: torch.Tensor          # (Sb*Qb,) int64 row of q for each padded query (padding repeats the last real query)
-    out_rows: torch.Tensor        # (R,) int64 output rows this bucket writes
-    keep: torch.Tensor | None     # (R,) int64 which padded query rows those are; None: all of them
-    mask: torch.Tensor | None     # (Sb, 1, Qb, Lb) bool, True = attend; None: no mask tensor needed
-    is_causal: bool               # fresh prompts (q == L, no window): SDPA's own causal mask
-    shape: tuple[int, int, int]   # (Sb, Qb, Lb)
+
+    slots: (
+        torch.Tensor
+    )  # (Sb*Lb,) int64 cache slot of each gathered key (padding repeats the last real key)
+    q_rows: (
+        torch.Tensor
+    )  # (Sb*Qb,) int64 row of q for each padded query (padding repeats the last real query)
+    out_rows: torch.Tensor  # (R,) int64 output rows this bucket writes
+    keep: torch.Tensor | None  # (R,) int64 which padded query rows those are; None: all of them
+    mask: torch.Tensor | None  # (Sb, 1, Qb, Lb) bool, True = attend; None: no mask tensor needed
+    is_causal: bool  # fresh prompts (q == L, no window): SDPA's own causal mask
+    shape: tuple[int, int, int]  # (Sb, Qb, Lb)
+
 
 def _queries(idx, seq_lens, q_lens, starts, qsl, Lb, window, dev):
     "Query side of a bucket: padded query rows, the rows kept, the (Sb, 1, Qb, Lb) mask and whether SDPA's causal mask fits."
     t = lambda xs: torch.tensor(xs, dtype=torch.long)
-    L, q, s = t([seq_lens[i] for i in idx]), t([q_lens[i] for i in idx]), t([starts[i] for i in idx])
-    n, Qb = L - s, max(q_lens[i] for i in idx)                                  # (Sb,) keys each sequence reads
+    L, q, s = (
+        t([seq_lens[i] for i in idx]),
+        t([q_lens[i] for i in idx]),
+        t([starts[i] for i in idx]),
+    )
+    n, Qb = L - s, max(q_lens[i] for i in idx)  # (Sb,) keys each sequence reads
     r, j = torch.arange(Qb), torch.arange(Lb)
-    rr = torch.minimum(r[None], q[:, None] - 1)                                 # (Sb, Qb) padding repeats the last query
+    rr = torch.minimum(r[None], q[:, None] - 1)  # (Sb, Qb) padding repeats the last query
     q_rows = (t([qsl[i] for i in idx])[:, None] + rr).reshape(-1)
-    real_q = (r[None] < q[:, None]).reshape(-1)                                 # (Sb*Qb,)
+    real_q = (r[None] < q[:, None]).reshape(-1)  # (Sb*Qb,)
     keep = None if bool(real_q.all()) else real_q.nonzero()[:, 0]
     out_rows = q_rows if keep is None else q_rows[keep]
     # fresh prompts (no cached prefix, no window), padded at their ends: SDPA's top-left causal mask is exact for every
@@ -85,242 +129,462 @@ def _queries(idx, seq_lens, q_lens, starts, qsl, Lb, window, dev):
     fresh = window is None and all(starts[i] == 0 and q_lens[i] == seq_lens[i] for i in idx)
     mask = None
     if not fresh:
-        qpos, kpos = (L - q)[:, None] + rr, s[:, None] + j[None]                # (Sb, Qb), (Sb, Lb) absolute positions
-        mask = (j[None, None] < n[:, None, None]) & (kpos[:, None, :] <= qpos[:, :, None])   # (Sb, Qb, Lb)
-        if window is not None: mask &= kpos[:, None, :] > qpos[:, :, None] - window
+        qpos, kpos = (
+            (L - q)[:, None] + rr,
+            s[:, None] + j[None],
+        )  # (Sb, Qb), (Sb, Lb) absolute positions
+        mask = (j[None, None] < n[:, None, None]) & (
+            kpos[:, None, :] <= qpos[:, :, None]
+        )  # (Sb, Qb, Lb)
+        if window is not None:
+            mask &= kpos[:, None, :] > qpos[:, :, None] - window
         mask = None if bool(mask.all()) else mask[:, None].to(dev)
     return q_rows.to(dev), out_rows.to(dev), None if keep is None else keep.to(dev), mask, fresh
 
-def plan_attention(seq_lens: list[int],          # per sequence: context length including this step's tokens
-                   q_lens: list[int],            # per sequence: its new tokens (1 for a decode)
-                   block_tables: torch.Tensor,   # (S, M) int32 block ids
-                   block_size: int,
-                   window: int | None = None,    # sliding window (transformers' semantics); None: full causal
-                   max_keys: int = 8192          # keys one bucket may gather (see `bucket_keys`)
-                   ) -> list[AttentionBucket]:
+
+def plan_attention(
+    seq_lens: list[int],  # per sequence: context length including this step's tokens
+    q_lens: list[int],  # per sequence: its new tokens (1 for a decode)
+    block_tables: torch.Tensor,  # (S, M) int32 block ids
+    block_size: int,
+    window: int | None = None,  # sliding window (transformers' semantics); None: full causal
+    max_keys: int = 8192,  # keys one bucket may gather (see `bucket_keys`)
+) -> list[AttentionBucket]:
     "Bucket a step's sequences and plan each bucket's gather, mask and output rows; shared by every layer of the step."
     qsl = [0]
-    for n in q_lens: qsl.append(qsl[-1] + n)
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
     starts = [0 if window is None else max(0, L - n - window + 1) for L, n in zip(seq_lens, q_lens)]
     keys = [L - s for L, s in zip(seq_lens, starts)]
     groups = attention_buckets(q_lens, keys, max_keys=max_keys)
-    if not groups: return []
+    if not groups:
+        return []
     # the key side of every bucket in a handful of ops: row i of bucket b holds keys start_i .. start_i + Lb - 1,
     # padded by repeating its last key, so nothing outside the sequence's own context is ever read
     dev, bs = block_tables.device, block_size
     t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)
     order = [i for g in groups for i in g]
-    widths = [max(keys[i] for i in g) for g in groups]                          # Lb of each bucket
-    W = t([w for g, w in zip(groups, widths) for _ in g])                       # (S,) padded keys of each row
-    row = torch.repeat_interleave(torch.arange(len(order), device=dev), W)      # (P,) row of each gathered key
-    j = torch.arange(row.shape[0], device=dev) - (W.cumsum(0) - W)[row]         # (P,) index within the row
+    widths = [max(keys[i] for i in g) for g in groups]  # Lb of each bucket
+    W = t([w for g, w in zip(groups, widths) for _ in g])  # (S,) padded keys of each row
+    row = torch.repeat_interleave(
+        torch.arange(len(order), device=dev), W
+    )  # (P,) row of each gathered key
+    j = torch.arange(row.shape[0], device=dev) - (W.cumsum(0) - W)[row]  # (P,) index within the row
     n, s = t([keys[i] for i in order])[row], t([starts[i] for i in order])[row]
-    kpos = s + torch.minimum(j, n - 1)                                          # (P,) position of each gathered key
-    slots = block_tables[t(order)[row], kpos // bs].long() * bs + kpos % bs     # (P,)
+    kpos = s + torch.minimum(j, n - 1)  # (P,) position of each gathered key
+    slots = block_tables[t(order)[row], kpos // bs].long() * bs + kpos % bs  # (P,)
     kvalid = j < n
-    first_rows = t([qsl[i] for i in order])                                     # (S,) first query row of each, bucket order
+    first_rows = t([qsl[i] for i in order])  # (S,) first query row of each, bucket order
     plan, at, r0 = [], 0, 0
     for g, Lb in zip(groups, widths):
         Sb = len(g)
         sl, at, r0 = slice(at, at + Sb * Lb), at + Sb * Lb, r0 + Sb
-        if all(q_lens[i] == 1 for i in g):                                       # decodes: one query row each
-            rows = first_rows[r0 - Sb:r0]
+        if all(q_lens[i] == 1 for i in g):  # decodes: one query row each
+            rows = first_rows[r0 - Sb : r0]
             mask = None if all(keys[i] == Lb for i in g) else kvalid[sl].view(Sb, 1, 1, Lb)
             plan.append(AttentionBucket(slots[sl], rows, rows, None, mask, False, (Sb, 1, Lb)))
         else:
-            q_rows, out_rows, keep, mask, fresh = _queries(g, seq_lens, q_lens, starts, qsl, Lb, window, dev)
-            plan.append(AttentionBucket(slots[sl], q_rows, out_rows, keep, mask, fresh, (Sb, max(q_lens[i] for i in g), Lb)))
+            q_rows, out_rows, keep, mask, fresh = _queries(
+                g, seq_lens, q_lens, starts, qsl, Lb, window, dev
+            )
+            plan.append(
+                AttentionBucket(
+                    slots[sl],
+                    q_rows,
+                    out_rows,
+                    keep,
+                    mask,
+                    fresh,
+                    (Sb, max(q_lens[i] for i in g), Lb),
+                )
+            )
     return plan
 
+
 # %% ../nbs/03_attention_reference.ipynb #8c7898de
-def bucketed_attention(q: torch.Tensor,        # (T, Hq, D) the step's queries, sequence after sequence
-                       k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), already holding this step's K
-                       v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
-                       plan: list[AttentionBucket],
-                       scale: float) -> torch.Tensor:   # (T, Hq, D)
+def bucketed_attention(
+    q: torch.Tensor,  # (T, Hq, D) the step's queries, sequence after sequence
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), already holding this step's K
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    plan: list[AttentionBucket],
+    scale: float,
+) -> torch.Tensor:  # (T, Hq, D)
     "Attention of every planned query over its own keys, one SDPA call per bucket."
     T, Hq, D = q.shape
     NB, bs, Hkv, _ = k_cache.shape
     g = Hq // Hkv
-    kf, vf = k_cache.view(NB * bs, Hkv, D), v_cache.view(NB * bs, Hkv, D)          # (slots, Hkv, D)
+    kf, vf = k_cache.view(NB * bs, Hkv, D), v_cache.view(NB * bs, Hkv, D)  # (slots, Hkv, D)
     out = torch.empty_like(q)
     for b in plan:
         Sb, Qb, Lb = b.shape
-        k = kf.index_select(0, b.slots).view(Sb, Lb, Hkv, D).transpose(1, 2)         # (Sb, Hkv, Lb, D)
+        k = kf.index_select(0, b.slots).view(Sb, Lb, Hkv, D).transpose(1, 2)  # (Sb, Hkv, Lb, D)
         v = vf.index_select(0, b.slots).view(Sb, Lb, Hkv, D).transpose(1, 2)
-        if k.dtype != q.dtype: k, v = k.to(q.dtype), v.to(q.dtype)
-        qb = q.index_select(0, b.q_rows)                                             # (Sb*Qb, Hq, D)
-        if Qb == 1:                                  # decode: the g query heads of a group are g query rows of its KV head
-            o = F.scaled_dot_product_attention(qb.view(Sb, Hkv, g, D), k, v, attn_mask=b.mask, scale=scale)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        qb = q.index_select(0, b.q_rows)  # (Sb*Qb, Hq, D)
+        if Qb == 1:  # decode: the g query heads of a group are g query rows of its KV head
+            o = F.scaled_dot_product_attention(
+                qb.view(Sb, Hkv, g, D), k, v, attn_mask=b.mask, scale=scale
+            )
             o = o.reshape(Sb, Hq, D)
         else:
-            o = F.scaled_dot_product_attention(qb.view(Sb, Qb, Hq, D).transpose(1, 2), k, v, attn_mask=b.mask,
-                                               is_causal=b.is_causal, scale=scale, enable_gqa=g > 1)   # (Sb, Hq, Qb, D)
+            o = F.scaled_dot_product_attention(
+                qb.view(Sb, Qb, Hq, D).transpose(1, 2),
+                k,
+                v,
+                attn_mask=b.mask,
+                is_causal=b.is_causal,
+                scale=scale,
+                enable_gqa=g > 1,
+            )  # (Sb, Hq, Qb, D)
             o = o.transpose(1, 2).reshape(Sb * Qb, Hq, D)
-        if b.keep is not None: o = o.index_select(0, b.keep)
+        if b.keep is not None:
+            o = o.index_select(0, b.keep)
         out.index_copy_(0, b.out_rows, o)
     return out
 
+
 # %% ../nbs/03_attention_reference.ipynb #ed506c24
-BUCKET_BYTES = 2**20   # K + V one bucket gathers: small enough to stay in a core's cache while SDPA reads it back
+BUCKET_BYTES = (
+    2**20
+)  # K + V one bucket gathers: small enough to stay in a core's cache while SDPA reads it back
 
-def bucket_keys(k_cache: torch.Tensor) -> int:   # (num_blocks, bs, Hkv, D)
+
+def bucket_keys(k_cache: torch.Tensor) -> int:  # (num_blocks, bs, Hkv, D)
     "Keys per bucket that fit `BUCKET_BYTES` of gathered K and V (at least 256)."
-    return max(256, BUCKET_BYTES // (2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()))
+    return max(
+        256, BUCKET_BYTES // (2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size())
+    )
 
-def paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one query per sequence
-                           k_cache: torch.Tensor,      # (num_blocks, bs, Hkv, D)
-                           v_cache: torch.Tensor,      # (num_blocks, bs, Hkv, D)
-                           block_tables: torch.Tensor, # (S, M) int32, padded with 0
-                           seq_lens: torch.Tensor,     # (S,) int32 context length incl. this token
-                           scale: float,               # softmax scale, usually D ** -0.5
-                           max_seq_len: int | None = None,  # accepted for compatibility; the buckets size themselves
-                           window: int | None = None):      # sliding window; None: the whole context
+
+def paged_decode_attention(
+    q: torch.Tensor,  # (S, Hq, D) one query per sequence
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    block_tables: torch.Tensor,  # (S, M) int32, padded with 0
+    seq_lens: torch.Tensor,  # (S,) int32 context length incl. this token
+    scale: float,  # softmax scale, usually D ** -0.5
+    max_seq_len: int | None = None,  # accepted for compatibility; the buckets size themselves
+    window: int | None = None,
+):  # sliding window; None: the whole context
     "Attention of each sequence's single new query over its paged context; returns (S, Hq, D) in q's dtype."
-    plan = plan_attention(seq_lens.tolist(), [1] * q.shape[0], block_tables, k_cache.shape[1], window, bucket_keys(k_cache))
+    plan = plan_attention(
+        seq_lens.tolist(),
+        [1] * q.shape[0],
+        block_tables,
+        k_cache.shape[1],
+        window,
+        bucket_keys(k_cache),
+    )
     return bucketed_attention(q, k_cache, v_cache, plan, scale)
 
-def paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) the step's new tokens, sequence after sequence
-                            k_cache: torch.Tensor,          # (num_blocks, bs, Hkv, D), already holding this step's K
-                            v_cache: torch.Tensor,          # (num_blocks, bs, Hkv, D)
-                            block_tables: torch.Tensor,     # (S, M) int32, padded with 0
-                            query_start_loc: torch.Tensor,  # (S+1,) int32, rows of q owned by each sequence
-                            seq_lens: torch.Tensor,         # (S,) int32 context length incl. the new tokens
-                            scale: float,                   # softmax scale
-                            max_query_len: int | None = None,  # accepted for compatibility
-                            max_seq_len: int | None = None,    # accepted for compatibility
-                            window: int | None = None):        # sliding window; None: full causal
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # (T, Hq, D) the step's new tokens, sequence after sequence
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), already holding this step's K
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    block_tables: torch.Tensor,  # (S, M) int32, padded with 0
+    query_start_loc: torch.Tensor,  # (S+1,) int32, rows of q owned by each sequence
+    seq_lens: torch.Tensor,  # (S,) int32 context length incl. the new tokens
+    scale: float,  # softmax scale
+    max_query_len: int | None = None,  # accepted for compatibility
+    max_seq_len: int | None = None,  # accepted for compatibility
+    window: int | None = None,
+):  # sliding window; None: full causal
     "Causal attention of each sequence's new tokens (the last q_len of its context) over the paged cache; (T, Hq, D)."
     qsl = query_start_loc.tolist()
-    plan = plan_attention(seq_lens.tolist(), [b - a for a, b in zip(qsl, qsl[1:])], block_tables, k_cache.shape[1], window, bucket_keys(k_cache))
+    plan = plan_attention(
+        seq_lens.tolist(),
+        [b - a for a, b in zip(qsl, qsl[1:])],
+        block_tables,
+        k_cache.shape[1],
+        window,
+        bucket_keys(k_cache),
+    )
     return bucketed_attention(q, k_cache, v_cache, plan, scale)
+
 
 # %% ../nbs/03_attention_reference.ipynb #1f3804be
 @dataclass
 class AttentionMetadata:
     "Per-step batch layout shared by every attention layer."
-    slot_mapping: torch.Tensor     # (T,) int64 cache slot of each new token
+
+    slot_mapping: torch.Tensor  # (T,) int64 cache slot of each new token
     query_start_loc: torch.Tensor  # (S+1,) int32 first row of each sequence in the flat batch
-    seq_lens: torch.Tensor         # (S,) int32 context length including this step's tokens
-    block_tables: torch.Tensor     # (S, M) int32 block ids, padded with 0
-    num_decodes: int               # the first num_decodes sequences have exactly one query token
-    max_query_len: int             # max over sequences of this step's tokens
-    max_seq_len: int               # max of seq_lens
-    plans: dict = field(default_factory=dict, repr=False, compare=False)   # the torch backend's bucket plans, per (block_size, window, max_keys)
+    seq_lens: torch.Tensor  # (S,) int32 context length including this step's tokens
+    block_tables: torch.Tensor  # (S, M) int32 block ids, padded with 0
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    max_query_len: int  # max over sequences of this step's tokens
+    max_seq_len: int  # max of seq_lens
+    plans: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # the torch backend's bucket plans, per (block_size, window, max_keys)
 
     @property
-    def num_seqs(self) -> int: return self.seq_lens.shape[0]
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
 
-    def attention_plan(self, block_size: int, window: int | None = None, max_keys: int = 8192) -> list[AttentionBucket]:
+    def attention_plan(
+        self, block_size: int, window: int | None = None, max_keys: int = 8192
+    ) -> list[AttentionBucket]:
         "The torch backend's bucket plan for this step, built on first use and shared by every layer."
         key = (block_size, window, max_keys)
         if key not in self.plans:
             qsl = self.query_start_loc.tolist()
-            self.plans[key] = plan_attention(self.seq_lens.tolist(), [b - a for a, b in zip(qsl, qsl[1:])], self.block_tables, block_size,
-                                             window, max_keys)
+            self.plans[key] = plan_attention(
+                self.seq_lens.tolist(),
+                [b - a for a, b in zip(qsl, qsl[1:])],
+                self.block_tables,
+                block_size,
+                window,
+                max_keys,
+            )
         return self.plans[key]
 
     @classmethod
-    def build(cls, seq_lens: list[int],          # context length of each sequence after this step
-              query_lens: list[int],             # new tokens of each sequence in this step
-              block_tables: list[list[int]],     # block ids of each sequence (enough for seq_len)
-              block_size: int,
-              device: str | torch.device = "cpu",
-              num_decodes: int | None = None):   # default: the leading run of query_len == 1
+    def build(
+        cls,
+        seq_lens: list[int],  # context length of each sequence after this step
+        query_lens: list[int],  # new tokens of each sequence in this step
+        block_tables: list[list[int]],  # block ids of each sequence (enough for seq_len)
+        block_size: int,
+        device: str | torch.device = "cpu",
+        num_decodes: int | None = None,
+    ):  # default: the leading run of query_len == 1
         "Metadata from plain lists; the slots of the new tokens are computed from the block tables."
-        assert len(seq_lens) == len(query_lens) == len(block_tables), "seq_lens, query_lens and block_tables differ in length"
+        assert len(seq_lens) == len(query_lens) == len(block_tables), (
+            "seq_lens, query_lens and block_tables differ in length"
+        )
         slots = []
         for L, n, bt in zip(seq_lens, query_lens, block_tables):
-            if not 1 <= n <= L: raise ValueError(f"query_lens must be in [1, seq_len={L}], got {n}")
-            if len(bt) * block_size < L: raise ValueError(f"block_tables: {len(bt)} blocks of {block_size} cannot hold seq_len={L}")
+            if not 1 <= n <= L:
+                raise ValueError(f"query_lens must be in [1, seq_len={L}], got {n}")
+            if len(bt) * block_size < L:
+                raise ValueError(
+                    f"block_tables: {len(bt)} blocks of {block_size} cannot hold seq_len={L}"
+                )
             slots += [bt[p // block_size] * block_size + p % block_size for p in range(L - n, L)]
-        if num_decodes is None: num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        if num_decodes is None:
+            num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         M = max([len(bt) for bt in block_tables] + [1])
         qsl = [0]
-        for n in query_lens: qsl.append(qsl[-1] + n)
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
         i32 = dict(dtype=torch.int32, device=device)
-        return cls(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                   query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(seq_lens, **i32),
-                   block_tables=torch.tensor([bt + [0] * (M - len(bt)) for bt in block_tables], **i32),
-                   num_decodes=num_decodes, max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0))
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, **i32),
+            seq_lens=torch.tensor(seq_lens, **i32),
+            block_tables=torch.tensor([bt + [0] * (M - len(bt)) for bt in block_tables], **i32),
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+
 
 # %% ../nbs/03_attention_reference.ipynb #36f093fe
 class AttentionBackend:
     "Writes a step's K/V into the paged cache and attends; subclasses supply `write_kv`, `decode` and `prefill`."
-    name = "base"
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping): raise NotImplementedError
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=None): raise NotImplementedError
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                max_query_len=None, max_seq_len=None, window=None): raise NotImplementedError
 
-    def forward(self, q: torch.Tensor,        # (T, Hq, D)
-                k: torch.Tensor,              # (T, Hkv, D) this step's keys
-                v: torch.Tensor,              # (T, Hkv, D) this step's values
-                k_cache: torch.Tensor,        # (num_blocks, bs, Hkv, D)
-                v_cache: torch.Tensor,        # (num_blocks, bs, Hkv, D)
-                meta: AttentionMetadata,
-                scale: float,
-                window: int | None = None) -> torch.Tensor:  # sliding window of this layer; None: full causal -> (T, Hq, D)
+    name = "base"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        raise NotImplementedError
+
+    def decode(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=None
+    ):
+        raise NotImplementedError
+
+    def prefill(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=None,
+        max_seq_len=None,
+        window=None,
+    ):
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k: torch.Tensor,  # (T, Hkv, D) this step's keys
+        v: torch.Tensor,  # (T, Hkv, D) this step's values
+        k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+        v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:  # sliding window of this layer; None: full causal -> (T, Hq, D)
         "Write this step's K/V, then attend: decode path for the first `num_decodes` rows, prefill path for the rest."
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd, S = meta.num_decodes, meta.num_seqs
-        w = {} if window is None else {"window": window}   # backends written before windows existed still work without one
-        if nd == S: return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len, **w)
-        if nd == 0: return self.prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                        scale, meta.max_query_len, meta.max_seq_len, **w)
+        w = (
+            {} if window is None else {"window": window}
+        )  # backends written before windows existed still work without one
+        if nd == S:
+            return self.decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len, **w
+            )
+        if nd == 0:
+            return self.prefill(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                scale,
+                meta.max_query_len,
+                meta.max_seq_len,
+                **w,
+            )
         out = torch.empty_like(q)
-        out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, meta.max_seq_len, **w)
-        out[nd:] = self.prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:] - nd,
-                                meta.seq_lens[nd:], scale, meta.max_query_len, meta.max_seq_len, **w)
+        out[:nd] = self.decode(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            scale,
+            meta.max_seq_len,
+            **w,
+        )
+        out[nd:] = self.prefill(
+            q[nd:],
+            k_cache,
+            v_cache,
+            meta.block_tables[nd:],
+            meta.query_start_loc[nd:] - nd,
+            meta.seq_lens[nd:],
+            scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+            **w,
+        )
         return out
 
-    def __repr__(self): return f"{type(self).__name__}(name={self.name!r})"
+    def __repr__(self):
+        return f"{type(self).__name__}(name={self.name!r})"
+
 
 class TorchAttentionBackend(AttentionBackend):
     "The CPU backend: bucketed SDPA over exactly the keys each sequence reads; runs anywhere, and is the oracle for the kernels."
-    name = "torch"
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping): write_kv(k, v, k_cache, v_cache, slot_mapping)
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=None):
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, window)
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None, max_seq_len=None, window=None):
-        return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, max_seq_len, window)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None):
+    name = "torch"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=None
+    ):
+        return paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, window
+        )
+
+    def prefill(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=None,
+        max_seq_len=None,
+        window=None,
+    ):
+        return paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            max_query_len,
+            max_seq_len,
+            window,
+        )
+
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+    ):
         "Write this step's K/V, then attend to decodes and prefills together, with the step's bucket plan (built once, reused by every layer)."
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return bucketed_attention(q, k_cache, v_cache, meta.attention_plan(k_cache.shape[1], window, bucket_keys(k_cache)), scale)
+        return bucketed_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.attention_plan(k_cache.shape[1], window, bucket_keys(k_cache)),
+            scale,
+        )
+
 
 # %% ../nbs/03_attention_reference.ipynb #96db555f
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-BACKEND_PROVIDERS = {"triton": "hetero_infer.kernels"}     # backend -> the module that registers it when imported
+BACKEND_PROVIDERS = {
+    "triton": "hetero_infer.kernels"
+}  # backend -> the module that registers it when imported
 _backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
 
-def register_attention_backend(name: str, # what `get_attention_backend(name)` will answer to
-                               cls: type[AttentionBackend]) -> type[AttentionBackend]:
+
+def register_attention_backend(
+    name: str,  # what `get_attention_backend(name)` will answer to
+    cls: type[AttentionBackend],
+) -> type[AttentionBackend]:
     "Make `cls` the backend called `name`; a backend's module calls this when it is imported."
     _backends[name] = cls
     return cls
 
+
 def _load_backend(name: str) -> AttentionBackend:
     "An instance of backend `name`, importing the module that provides it (by name, on first use) if it has not registered yet."
     if name not in _backends and name in BACKEND_PROVIDERS:
-        try: importlib.import_module(BACKEND_PROVIDERS[name])
+        try:
+            importlib.import_module(BACKEND_PROVIDERS[name])
         except ImportError as e:
-            raise RuntimeError(f"attention backend {name!r} is unavailable: {BACKEND_PROVIDERS[name]} could not be imported ({e}); "
-                               "install triton or use name='torch'") from e
-    if name not in _backends: raise RuntimeError(f"attention backend {name!r} is unavailable: nothing registered it")
+            raise RuntimeError(
+                f"attention backend {name!r} is unavailable: {BACKEND_PROVIDERS[name]} could not be imported ({e}); "
+                "install triton or use name='torch'"
+            ) from e
+    if name not in _backends:
+        raise RuntimeError(f"attention backend {name!r} is unavailable: nothing registered it")
     return _backends[name]()
 
-def get_attention_backend(name: str = "auto",                   # "auto", "torch", "triton", or any registered name
-                          device: str | torch.device | None = None  # where the model runs; None: cuda if available
-                          ) -> AttentionBackend:
+
+def get_attention_backend(
+    name: str = "auto",  # "auto", "torch", "triton", or any registered name
+    device: str | torch.device | None = None,  # where the model runs; None: cuda if available
+) -> AttentionBackend:
     "The attention implementation to use: auto = Triton on CUDA, torch elsewhere."
     names = ("auto", *sorted(set(_backends) | set(BACKEND_PROVIDERS)))
-    if name not in names: raise ValueError(f"name must be one of {names}, got {name!r}")
-    if device is None: device = "cuda" if torch.cuda.is_available() else "cpu"
-    if name != "auto": return _load_backend(name)
-    if torch.device(device).type != "cuda": return TorchAttentionBackend()
-    try: return _load_backend("triton")
+    if name not in names:
+        raise ValueError(f"name must be one of {names}, got {name!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "auto":
+        return _load_backend(name)
+    if torch.device(device).type != "cuda":
+        return TorchAttentionBackend()
+    try:
+        return _load_backend("triton")
     except RuntimeError as e:
         warnings.warn(f"{e}; falling back to the torch attention backend")
         return TorchAttentionBackend()

@@ -4,7 +4,20 @@
 
 # %% ../nbs/11_benchmarks.ipynb #957d39e0
 from __future__ import annotations
-import argparse, asyncio, contextlib, dataclasses, json, math, os, platform, random, shlex, socket, subprocess, sys, time
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,346 +27,748 @@ import torch
 from .core import SamplingParams
 
 # %% auto #0
-__all__ = ['DEFAULT_WORKLOAD', 'CPU_WORKLOAD', 'DUMMY_CONFIGS', 'PEERS', 'PHASES', 'SPECULATIVE_FLAGS', 'Timing', 'percentile',
-           'measure', 'measure_interleaved', 'machine_info', 'machine_label', 'Workload', 'random_workload',
-           'fit_workload', 'dummy_checkpoint', 'ours_job', 'run_ours', 'hf_static_job', 'run_hf_static', 'hf_cb_config',
-           'hf_cb_manager', 'hf_cb_job', 'run_hf_cb', 'offline_bench', 'format_offline', 'RequestRecord',
-           'poisson_arrivals', 'latency_stats', 'serve_metrics', 'run_load', 'serving', 'served_model', 'serve_bench',
-           'format_serve', 'plot_rate_sweep', 'StepRecord', 'Trace', 'trace_engine', 'bench_engine', 'make_requests',
-           'copy_bandwidth', 'matmul_flops', 'weight_bytes', 'kv_bytes_per_token', 'decode_floor', 'decode_flops',
-           'roofline_floor', 'prefill_flops', 'decode_batch', 'drain', 'decode_step_time', 'prefill_time',
-           'profile_phases', 'step_breakdown', 'add_bench_arguments', 'bench_command', 'main']
+__all__ = [
+    "DEFAULT_WORKLOAD",
+    "CPU_WORKLOAD",
+    "DUMMY_CONFIGS",
+    "PEERS",
+    "PHASES",
+    "SPECULATIVE_FLAGS",
+    "Timing",
+    "percentile",
+    "measure",
+    "measure_interleaved",
+    "machine_info",
+    "machine_label",
+    "Workload",
+    "random_workload",
+    "fit_workload",
+    "dummy_checkpoint",
+    "ours_job",
+    "run_ours",
+    "hf_static_job",
+    "run_hf_static",
+    "hf_cb_config",
+    "hf_cb_manager",
+    "hf_cb_job",
+    "run_hf_cb",
+    "offline_bench",
+    "format_offline",
+    "RequestRecord",
+    "poisson_arrivals",
+    "latency_stats",
+    "serve_metrics",
+    "run_load",
+    "serving",
+    "served_model",
+    "serve_bench",
+    "format_serve",
+    "plot_rate_sweep",
+    "StepRecord",
+    "Trace",
+    "trace_engine",
+    "bench_engine",
+    "make_requests",
+    "copy_bandwidth",
+    "matmul_flops",
+    "weight_bytes",
+    "kv_bytes_per_token",
+    "decode_floor",
+    "decode_flops",
+    "roofline_floor",
+    "prefill_flops",
+    "decode_batch",
+    "drain",
+    "decode_step_time",
+    "prefill_time",
+    "profile_phases",
+    "step_breakdown",
+    "add_bench_arguments",
+    "bench_command",
+    "main",
+]
+
 
 # %% ../nbs/11_benchmarks.ipynb #24c28509
 @dataclass
 class Timing:
     "Seconds of the timed runs of one measurement."
+
     times: list[float]
 
     @property
-    def median(self) -> float: return percentile(self.times, 50)
-    @property
-    def min(self) -> float: return min(self.times)
-    @property
-    def max(self) -> float: return max(self.times)
-    @property
-    def spread(self) -> float: return (self.max - self.min) / self.median if self.median > 0 else 0.0
-    def to_dict(self) -> dict: return {"median_s": self.median, "min_s": self.min, "max_s": self.max, "spread": self.spread, "times_s": self.times}
-    def __repr__(self) -> str: return f"{_fmt_s(self.median)} ± {self.spread:.0%} (median of {len(self.times)})"
+    def median(self) -> float:
+        return percentile(self.times, 50)
 
-def _fmt_s(s: float) -> str: return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def max(self) -> float:
+        return max(self.times)
+
+    @property
+    def spread(self) -> float:
+        return (self.max - self.min) / self.median if self.median > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "median_s": self.median,
+            "min_s": self.min,
+            "max_s": self.max,
+            "spread": self.spread,
+            "times_s": self.times,
+        }
+
+    def __repr__(self) -> str:
+        return f"{_fmt_s(self.median)} ± {self.spread:.0%} (median of {len(self.times)})"
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
 
 def percentile(xs, p: float) -> float:
     "The p-th percentile of `xs` (0 <= p <= 100), linearly interpolated between order statistics as numpy does."
     xs = sorted(xs)
-    if not xs: raise ValueError("percentile of an empty list")
-    if not 0 <= p <= 100: raise ValueError(f"p must be in [0, 100], got {p}")
+    if not xs:
+        raise ValueError("percentile of an empty list")
+    if not 0 <= p <= 100:
+        raise ValueError(f"p must be in [0, 100], got {p}")
     k = (len(xs) - 1) * p / 100
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
-def measure(fn,                 # the work to time: called with no arguments
-            repeats: int = 3,   # timed calls
-            warmup: int = 1,    # untimed calls first
-            sync=None) -> Timing:  # e.g. torch.cuda.synchronize, called before reading the clock
+
+def measure(
+    fn,  # the work to time: called with no arguments
+    repeats: int = 3,  # timed calls
+    warmup: int = 1,  # untimed calls first
+    sync=None,
+) -> Timing:  # e.g. torch.cuda.synchronize, called before reading the clock
     "Call `fn` `warmup` times untimed, then `repeats` times timed."
-    if repeats < 1 or warmup < 0: raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    for _ in range(warmup): fn()
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
-        if sync: sync()
-        t = time.perf_counter(); fn()
-        if sync: sync()
+        if sync:
+            sync()
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
         times.append(time.perf_counter() - t)
     return Timing(times)
 
+
 # %% ../nbs/11_benchmarks.ipynb #131e0ceb
-def measure_interleaved(fns: dict,        # name -> the work to time, called with no arguments
-                        repeats: int = 3, # timed calls of each
-                        warmup: int = 1,  # untimed calls of each first
-                        sync=None) -> dict:
+def measure_interleaved(
+    fns: dict,  # name -> the work to time, called with no arguments
+    repeats: int = 3,  # timed calls of each
+    warmup: int = 1,  # untimed calls of each first
+    sync=None,
+) -> dict:
     "`measure` for several systems at once: each warmed up, then timed in turns; name -> `Timing`."
-    if repeats < 1 or warmup < 0: raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     for fn in fns.values():
-        for _ in range(warmup): fn()
+        for _ in range(warmup):
+            fn()
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            if sync: sync()
-            t = time.perf_counter(); fn()
-            if sync: sync()
+            if sync:
+                sync()
+            t = time.perf_counter()
+            fn()
+            if sync:
+                sync()
             times[k].append(time.perf_counter() - t)
     return {k: Timing(v) for k, v in times.items()}
+
 
 # %% ../nbs/11_benchmarks.ipynb #2df34121
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"): return line.split(":", 1)[1].strip()
-    except OSError: pass
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or platform.machine()
+
 
 def machine_info(device: str = "cpu") -> dict:
     "Machine, versions and threads, to store beside every measured figure."
-    import transformers, hetero_infer
+    import transformers
+    import hetero_infer
+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cores = os.cpu_count() or 1
-    info = {"cpu": _cpu_model(), "cores": cores, "load_avg_1min": load, "loaded": load is not None and load > 0.5 * cores,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "hetero_infer": hetero_infer.__version__, "device": str(device),
-            "time_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if str(device).startswith("cuda") and torch.cuda.is_available(): info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    info = {
+        "cpu": _cpu_model(),
+        "cores": cores,
+        "load_avg_1min": load,
+        "loaded": load is not None and load > 0.5 * cores,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hetero_infer": hetero_infer.__version__,
+        "device": str(device),
+        "time_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
+
 
 def machine_label(info: dict) -> str:
     "One line naming the machine for a figure's title or a table's footer."
-    where = info.get("gpu") or f"{info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads)"
+    where = (
+        info.get("gpu")
+        or f"{info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads)"
+    )
     load = f"; LOADED machine, load avg {info['load_avg_1min']:.1f}" if info.get("loaded") else ""
     return f"{where}; torch {info['torch']}, transformers {info['transformers']}{load}"
+
 
 # %% ../nbs/11_benchmarks.ipynb #d70b17d3
 @dataclass
 class Workload:
     "Requests to run: token-id prompts and how many tokens each must generate (`ignore_eos`)."
+
     prompts: list[list[int]]
     output_lens: list[int]
     seed: int = 0
 
-    def __len__(self) -> int: return len(self.prompts)
+    def __len__(self) -> int:
+        return len(self.prompts)
+
     @property
-    def num_input_tokens(self) -> int: return sum(map(len, self.prompts))
+    def num_input_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
     @property
-    def num_output_tokens(self) -> int: return sum(self.output_lens)
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
     def params(self) -> list[SamplingParams]:
         "Greedy sampling params that generate exactly each request's output length, token ids only (transformers' peers detokenize nothing either)."
-        return [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False) for o in self.output_lens]
+        return [
+            SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
+            for o in self.output_lens
+        ]
+
     def describe(self) -> dict:
         ins = [len(p) for p in self.prompts]
-        return {"num_requests": len(self), "input_len": [min(ins), max(ins)], "output_len": [min(self.output_lens), max(self.output_lens)],
-                "input_tokens": self.num_input_tokens, "output_tokens": self.num_output_tokens, "seed": self.seed}
+        return {
+            "num_requests": len(self),
+            "input_len": [min(ins), max(ins)],
+            "output_len": [min(self.output_lens), max(self.output_lens)],
+            "input_tokens": self.num_input_tokens,
+            "output_tokens": self.num_output_tokens,
+            "seed": self.seed,
+        }
+
 
 def _check_range(name: str, r) -> tuple[int, int]:
     if len(r) != 2 or not all(isinstance(x, int) for x in r) or not 1 <= r[0] <= r[1]:
         raise ValueError(f"{name} must be two integers 1 <= lo <= hi, got {r!r}")
     return int(r[0]), int(r[1])
 
-def random_workload(num_requests: int,                      # how many requests
-                    input_len: tuple[int, int] = (100, 1024),  # prompt length, uniform in [lo, hi]
-                    output_len: tuple[int, int] = (100, 1024), # tokens to generate, uniform in [lo, hi]
-                    vocab_size: int = 32000,                # prompt token ids are drawn from [low_id, vocab_size)
-                    seed: int = 0,
-                    low_id: int = 3) -> Workload:            # skip the first ids (pad, bos, eos in most vocabularies)
+
+def random_workload(
+    num_requests: int,  # how many requests
+    input_len: tuple[int, int] = (100, 1024),  # prompt length, uniform in [lo, hi]
+    output_len: tuple[int, int] = (100, 1024),  # tokens to generate, uniform in [lo, hi]
+    vocab_size: int = 32000,  # prompt token ids are drawn from [low_id, vocab_size)
+    seed: int = 0,
+    low_id: int = 3,
+) -> Workload:  # skip the first ids (pad, bos, eos in most vocabularies)
     "Seeded random token-id prompts with uniformly distributed input and output lengths."
-    if not isinstance(num_requests, int) or num_requests < 1: raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
-    (ilo, ihi), (olo, ohi) = _check_range("input_len", input_len), _check_range("output_len", output_len)
-    if not 0 <= low_id < vocab_size: raise ValueError(f"low_id must be in [0, vocab_size={vocab_size}), got {low_id}")
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
+    (ilo, ihi), (olo, ohi) = (
+        _check_range("input_len", input_len),
+        _check_range("output_len", output_len),
+    )
+    if not 0 <= low_id < vocab_size:
+        raise ValueError(f"low_id must be in [0, vocab_size={vocab_size}), got {low_id}")
     rng = random.Random(seed)
     ins = [rng.randint(ilo, ihi) for _ in range(num_requests)]
     outs = [rng.randint(olo, ohi) for _ in range(num_requests)]
-    return Workload([[rng.randrange(low_id, vocab_size) for _ in range(n)] for n in ins], outs, seed)
+    return Workload(
+        [[rng.randrange(low_id, vocab_size) for _ in range(n)] for n in ins], outs, seed
+    )
+
 
 # %% ../nbs/11_benchmarks.ipynb #781c4d90
 DEFAULT_WORKLOAD = dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024))
 CPU_WORKLOAD = dict(num_requests=64, length_scale=1 / 8)
 
-def fit_workload(max_model_len: int, device: str = "cpu", num_requests: int | None = None,
-                 input_len: tuple[int, int] | None = None, output_len: tuple[int, int] | None = None) -> tuple[int, tuple, tuple, str | None]:
+
+def fit_workload(
+    max_model_len: int,
+    device: str = "cpu",
+    num_requests: int | None = None,
+    input_len: tuple[int, int] | None = None,
+    output_len: tuple[int, int] | None = None,
+) -> tuple[int, tuple, tuple, str | None]:
     "Resolve the workload's size: given values are kept (and must fit `max_model_len`), defaults are scaled for CPU and to fit."
     cpu = torch.device(device).type == "cpu"
-    n = num_requests if num_requests is not None else (CPU_WORKLOAD["num_requests"] if cpu else DEFAULT_WORKLOAD["num_requests"])
+    n = (
+        num_requests
+        if num_requests is not None
+        else (CPU_WORKLOAD["num_requests"] if cpu else DEFAULT_WORKLOAD["num_requests"])
+    )
     given = {"input_len": input_len, "output_len": output_len}
     lens = {k: tuple(v) if v is not None else DEFAULT_WORKLOAD[k] for k, v in given.items()}
-    room = max_model_len - sum(lens[k][1] for k, v in given.items() if v is not None)      # positions left for the defaults
+    room = max_model_len - sum(
+        lens[k][1] for k, v in given.items() if v is not None
+    )  # positions left for the defaults
     free = [k for k, v in given.items() if v is None]
     if free:
         s = min(CPU_WORKLOAD["length_scale"] if cpu else 1.0, room / sum(lens[k][1] for k in free))
-        if s <= 0: raise ValueError(f"input_len/output_len: the given lengths leave no room within max_model_len ({max_model_len})")
-        for k in free: lens[k] = (max(1, int(lens[k][0] * s)), max(1, int(lens[k][1] * s)))
+        if s <= 0:
+            raise ValueError(
+                f"input_len/output_len: the given lengths leave no room within max_model_len ({max_model_len})"
+            )
+        for k in free:
+            lens[k] = (max(1, int(lens[k][0] * s)), max(1, int(lens[k][1] * s)))
     ilen, olen = lens["input_len"], lens["output_len"]
     if ilen[1] + olen[1] > max_model_len:
-        raise ValueError(f"input_len/output_len: the longest request ({ilen[1]} + {olen[1]} tokens) exceeds max_model_len ({max_model_len})")
+        raise ValueError(
+            f"input_len/output_len: the longest request ({ilen[1]} + {olen[1]} tokens) exceeds max_model_len ({max_model_len})"
+        )
     scaled = [k for k in free if lens[k] != DEFAULT_WORKLOAD[k]]
-    notes = ([f"{n} requests"] if cpu and num_requests is None else []) + [f"{k} {lens[k][0]}-{lens[k][1]}" for k in scaled]
-    note = f"workload scaled {'for CPU and ' if cpu else ''}to fit max_model_len={max_model_len}: " + ", ".join(notes) if notes else None
+    notes = ([f"{n} requests"] if cpu and num_requests is None else []) + [
+        f"{k} {lens[k][0]}-{lens[k][1]}" for k in scaled
+    ]
+    note = (
+        f"workload scaled {'for CPU and ' if cpu else ''}to fit max_model_len={max_model_len}: "
+        + ", ".join(notes)
+        if notes
+        else None
+    )
     return n, ilen, olen, note
 
+
 # %% ../nbs/11_benchmarks.ipynb #c81ee5f7
-_QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0,
-              bos_token_id=151643, eos_token_id=151643, use_sliding_window=False, attention_dropout=0.0, torch_dtype="bfloat16")
+_QWEN2 = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    use_sliding_window=False,
+    attention_dropout=0.0,
+    torch_dtype="bfloat16",
+)
 DUMMY_CONFIGS = {
-    "qwen2.5-0.5b": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768, "sliding_window": 32768,
-                     "max_window_layers": 24, "tie_word_embeddings": True},
-    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", "hidden_size": 1024,
-                   "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-                   "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-                   "rope_theta": 1000000.0, "attention_bias": False, "tie_word_embeddings": True, "sliding_window": None,
-                   "use_sliding_window": False, "max_window_layers": 28, "bos_token_id": 151643, "eos_token_id": 151645,
-                   "torch_dtype": "bfloat16"},
-    "llama-3.2-1b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 2048,
-                     "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-                     "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-                     "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "attention_bias": False, "mlp_bias": False,
-                     "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"},
-    "qwen2.5-7b": {**_QWEN2, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072, "sliding_window": 131072,
-                   "max_window_layers": 28, "tie_word_embeddings": False},
-    "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 128,
-                   "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "vocab_size": 1024, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-                   "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"},
-    "small-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 512,
-                    "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-                    "vocab_size": 8192, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-                    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"},
+    "qwen2.5-0.5b": {
+        **_QWEN2,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "sliding_window": 32768,
+        "max_window_layers": 24,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-7b": {
+        **_QWEN2,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 131072,
+        "sliding_window": 131072,
+        "max_window_layers": 28,
+        "tie_word_embeddings": False,
+    },
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    },
+    "small-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 8192,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    },
 }
 
-def _cache_dir() -> Path: return Path(os.environ.get("HETERO_INFER_CACHE", Path.home() / ".cache" / "hetero_infer")) / "dummy"
+
+def _cache_dir() -> Path:
+    return (
+        Path(os.environ.get("HETERO_INFER_CACHE", Path.home() / ".cache" / "hetero_infer"))
+        / "dummy"
+    )
+
 
 def _hf_shapes(config: dict) -> dict[str, tuple]:
     "Checkpoint tensor names and shapes of the transformers model that `config` describes (built on the meta device)."
     import transformers
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    with torch.device("meta"): m = transformers.AutoModelForCausalLM.from_config(cfg)
-    return {n: tuple(p.shape) for n, p in m.named_parameters()}   # a tied lm_head is listed once, as embed_tokens
 
-def dummy_checkpoint(config: str | dict,          # a DUMMY_CONFIGS name or a HF config.json dict
-                     path: str | Path | None = None, # where to write; None: a cache directory per (name, dtype, seed)
-                     dtype: str | None = None,     # weights' dtype on disk; None: the config's torch_dtype
-                     seed: int = 0,
-                     max_shard_bytes: int = 2 * 2**30) -> Path:
+    cfg = transformers.AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "architectures"}
+    )
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg)
+    return {
+        n: tuple(p.shape) for n, p in m.named_parameters()
+    }  # a tied lm_head is listed once, as embed_tokens
+
+
+def dummy_checkpoint(
+    config: str | dict,  # a DUMMY_CONFIGS name or a HF config.json dict
+    path: str
+    | Path
+    | None = None,  # where to write; None: a cache directory per (name, dtype, seed)
+    dtype: str | None = None,  # weights' dtype on disk; None: the config's torch_dtype
+    seed: int = 0,
+    max_shard_bytes: int = 2 * 2**30,
+) -> Path:
     "Write `config.json` and random-weight safetensors for a supported architecture (no download); return the directory."
     from safetensors.torch import save_file
+
     if isinstance(config, str):
-        if config not in DUMMY_CONFIGS: raise ValueError(f"dummy config {config!r} is not one of {', '.join(DUMMY_CONFIGS)}")
+        if config not in DUMMY_CONFIGS:
+            raise ValueError(f"dummy config {config!r} is not one of {', '.join(DUMMY_CONFIGS)}")
         name, config = config, DUMMY_CONFIGS[config]
-    else: name = f"custom-{abs(hash(json.dumps(config, sort_keys=True))) % 10**8}"
+    else:
+        name = f"custom-{abs(hash(json.dumps(config, sort_keys=True))) % 10**8}"
     dtype = dtype or config.get("torch_dtype") or "float32"
-    if dtype not in ("float32", "float16", "bfloat16"): raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     path = Path(path) if path is not None else _cache_dir() / f"{name}-{dtype}-seed{seed}"
     stamp = {"config": config, "dtype": dtype, "seed": seed}
-    if (path / "dummy.json").exists() and json.loads((path / "dummy.json").read_text()) == stamp: return path
+    if (path / "dummy.json").exists() and json.loads((path / "dummy.json").read_text()) == stamp:
+        return path
     path.mkdir(parents=True, exist_ok=True)
     g, dt = torch.Generator().manual_seed(seed), getattr(torch, dtype)
     shards, cur, size = [], {}, 0
     for n, shape in _hf_shapes(config).items():
-        if n.endswith("norm.weight"): t = torch.ones(shape)
-        elif n.endswith("bias"): t = torch.randn(shape, generator=g) * 0.02
-        else: t = torch.randn(shape, generator=g) * 0.02
+        if n.endswith("norm.weight"):
+            t = torch.ones(shape)
+        elif n.endswith("bias"):
+            t = torch.randn(shape, generator=g) * 0.02
+        else:
+            t = torch.randn(shape, generator=g) * 0.02
         t = t.to(dt)
-        if cur and size + t.nbytes > max_shard_bytes: shards.append(cur); cur, size = {}, 0
+        if cur and size + t.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
         cur[n], size = t, size + t.nbytes
     shards.append(cur)
     weight_map = {}
     for i, sd in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(sd, str(path / fname), metadata={"format": "pt"}); weight_map.update({k: fname for k in sd})
-    if len(shards) > 1: (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        fname = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        save_file(sd, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in sd})
+    if len(shards) > 1:
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
     (path / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
     (path / "dummy.json").write_text(json.dumps(stamp))
     return path
+
 
 # %% ../nbs/11_benchmarks.ipynb #a8eda64a
 def ours_job(llm, wl: Workload):
     "One run of `llm.generate` over the workload (a function to time); it checks every request generated exactly its output length."
     params = wl.params()
+
     def run():
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
         got = [len(o.outputs[0].token_ids) for o in outs]
-        if got != wl.output_lens: raise RuntimeError("ours: output lengths differ from the workload's")
+        if got != wl.output_lens:
+            raise RuntimeError("ours: output lengths differ from the workload's")
+
     return run
+
 
 def run_ours(llm, wl: Workload, repeats: int = 3, warmup: int = 1) -> Timing:
     "Time `llm.generate` over the workload."
     return measure(ours_job(llm, wl), repeats, warmup)
 
+
 def _hf_model(model_dir, device, dtype):
     import transformers
+
     transformers.utils.logging.disable_progress_bar()
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+    m = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, dtype)
+        )
+        .to(device)
+        .eval()
+    )
     return m
+
 
 def hf_static_job(hf, wl: Workload, batch_size: int, pad_id: int = 0):
     "One run of transformers `generate` over the workload in arrival order, `batch_size` left-padded prompts at a time (a function to time)."
     dev = hf.device
+
     def batch(idx):
-        ids = [wl.prompts[i] for i in idx]; width = max(map(len, ids)); new = max(wl.output_lens[i] for i in idx)
-        inp = torch.tensor([[pad_id] * (width - len(p)) + p for p in ids], device=dev)         # (B, width)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=dev)  # (B, width)
+        ids = [wl.prompts[i] for i in idx]
+        width = max(map(len, ids))
+        new = max(wl.output_lens[i] for i in idx)
+        inp = torch.tensor([[pad_id] * (width - len(p)) + p for p in ids], device=dev)  # (B, width)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in ids], device=dev
+        )  # (B, width)
         with torch.inference_mode():
-            out = hf.generate(input_ids=inp, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                              pad_token_id=pad_id, eos_token_id=None)
-        if out.shape[1] != width + new: raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, expected {new}")
+            out = hf.generate(
+                input_ids=inp,
+                attention_mask=mask,
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+                eos_token_id=None,
+            )
+        if out.shape[1] != width + new:
+            raise RuntimeError(
+                f"transformers generated {out.shape[1] - width} tokens, expected {new}"
+            )
+
     def run():
-        for s in range(0, len(wl), batch_size): batch(list(range(s, min(s + batch_size, len(wl)))))
+        for s in range(0, len(wl), batch_size):
+            batch(list(range(s, min(s + batch_size, len(wl)))))
+
     return run
 
-def run_hf_static(hf, wl: Workload, batch_size: int, repeats: int = 3, warmup: int = 1, pad_id: int = 0) -> Timing:
+
+def run_hf_static(
+    hf, wl: Workload, batch_size: int, repeats: int = 3, warmup: int = 1, pad_id: int = 0
+) -> Timing:
     "Time transformers `generate` over the workload, `batch_size` prompts at a time."
     return measure(hf_static_job(hf, wl, batch_size, pad_id), repeats, warmup, _sync(hf.device))
 
-def _sync(dev): return torch.cuda.synchronize if torch.device(dev).type == "cuda" else None
+
+def _sync(dev):
+    return torch.cuda.synchronize if torch.device(dev).type == "cuda" else None
+
 
 # %% ../nbs/11_benchmarks.ipynb #879877b4
-def hf_cb_config(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_blocks: int, prefix_caching: bool, seed: int = 0):
+def hf_cb_config(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int,
+    num_blocks: int,
+    prefix_caching: bool,
+    seed: int = 0,
+):
     "transformers' `ContinuousBatchingConfig` with our engine's limits: requests per batch, token budget, page size, blocks, prefix sharing."
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    return ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs, max_batch_tokens=max_num_batched_tokens,
-                                    page_size=max(4, block_size), num_blocks=num_blocks, allow_block_sharing=prefix_caching,
-                                    seed=seed, use_cuda_graph=False, cpu_offload_space=0.0)
+
+    return ContinuousBatchingConfig(
+        max_requests_per_batch=max_num_seqs,
+        max_batch_tokens=max_num_batched_tokens,
+        page_size=max(4, block_size),
+        num_blocks=num_blocks,
+        allow_block_sharing=prefix_caching,
+        seed=seed,
+        use_cuda_graph=False,
+        cpu_offload_space=0.0,
+    )
+
 
 @contextlib.contextmanager
 def hf_cb_manager(hf, cb_config):
     "A started transformers continuous-batching manager (greedy, no end-of-sequence), stopped on exit."
     from transformers import GenerationConfig
+
     gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=16)
     mgr = hf.init_continuous_batching(generation_config=gc, continuous_batching_config=cb_config)
     mgr.start()
-    try: yield mgr
+    try:
+        yield mgr
     finally:
-        mgr.stop(block=True, timeout=30); mgr.destroy()
+        mgr.stop(block=True, timeout=30)
+        mgr.destroy()
+
 
 def hf_cb_job(mgr, wl: Workload, timeout: float = 600):
     "One run of transformers' continuous batching over the workload: all requests queued at once, until all have finished (a function to time)."
     run_no = iter(range(10**9))
+
     def run():
         k = next(run_no)
-        ids = [mgr.add_request(p, request_id=f"b{k}-{i}", max_new_tokens=o, eos_token_id=-1)
-               for i, (p, o) in enumerate(zip(wl.prompts, wl.output_lens))]
+        ids = [
+            mgr.add_request(p, request_id=f"b{k}-{i}", max_new_tokens=o, eos_token_id=-1)
+            for i, (p, o) in enumerate(zip(wl.prompts, wl.output_lens))
+        ]
         done, t0 = {}, time.perf_counter()
         while len(done) < len(ids):
             r = mgr.get_result(timeout=1)
-            if r is not None and r.is_finished(): done[r.request_id] = r
+            if r is not None and r.is_finished():
+                done[r.request_id] = r
             elif r is None and (not mgr.is_running() or time.perf_counter() - t0 > timeout):
-                raise RuntimeError("transformers continuous batching stopped before finishing the workload")
-        bad = [i for i, o in zip(ids, wl.output_lens) if done[i].error is not None or len(done[i].generated_tokens) != o]
-        if bad: raise RuntimeError(f"transformers continuous batching: {len(bad)} requests ended early or failed, e.g. {bad[0]}")
+                raise RuntimeError(
+                    "transformers continuous batching stopped before finishing the workload"
+                )
+        bad = [
+            i
+            for i, o in zip(ids, wl.output_lens)
+            if done[i].error is not None or len(done[i].generated_tokens) != o
+        ]
+        if bad:
+            raise RuntimeError(
+                f"transformers continuous batching: {len(bad)} requests ended early or failed, e.g. {bad[0]}"
+            )
+
     return run
+
 
 def run_hf_cb(mgr, wl: Workload, repeats: int = 3, warmup: int = 1, timeout: float = 600) -> Timing:
     "Time transformers' continuous batching over the workload."
     return measure(hf_cb_job(mgr, wl, timeout), repeats, warmup)
 
+
 # %% ../nbs/11_benchmarks.ipynb #d1beaf18
 PEERS = ("hf-static", "hf-best", "hf-cb")
 
-def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
-    return {"system": name, "key": key, **extra, "timing": timing.to_dict(),
-            "output_tok_s": wl.num_output_tokens / timing.median, "total_tok_s": (wl.num_output_tokens + wl.num_input_tokens) / timing.median}
 
-def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 16,
-                  max_num_batched_tokens: int = 2048, block_size: int = 16, num_blocks: int | None = None,
-                  enable_prefix_caching: bool = True, repeats: int = 3, warmup: int = 1, peers=PEERS,
-                  hf_batch_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
-                  speculative: dict | None = None,  # e.g. {"speculative_method": "ngram", "num_speculative_tokens": 3}: ours speculates, and ours without it is timed too
-                  log=print) -> dict:
+def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
+    return {
+        "system": name,
+        "key": key,
+        **extra,
+        "timing": timing.to_dict(),
+        "output_tok_s": wl.num_output_tokens / timing.median,
+        "total_tok_s": (wl.num_output_tokens + wl.num_input_tokens) / timing.median,
+    }
+
+
+def offline_bench(
+    model_dir,
+    wl: Workload,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
+    repeats: int = 3,
+    warmup: int = 1,
+    peers=PEERS,
+    hf_batch_sizes: list[int] | None = None,
+    tensor_parallel_size: int = 1,
+    speculative: dict
+    | None = None,  # e.g. {"speculative_method": "ngram", "num_speculative_tokens": 3}: ours speculates, and ours without it is timed too
+    log=print,
+) -> dict:
     "Ours against transformers `generate` (static batches: equal size, and the best of a sweep) and transformers' continuous batching, timed in turns."
     from hetero_infer.engine import LLM
+
     unknown = set(peers) - set(PEERS)
-    if unknown: raise ValueError(f"peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
-    common = dict(device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                  block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size)
+    if unknown:
+        raise ValueError(f"peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
+    common = dict(
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        enable_prefix_caching=enable_prefix_caching,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     llm = LLM(str(model_dir), **common, **(speculative or {}))
     cfg = llm.engine.config
     log(f"ours: max_num_seqs={max_num_seqs}, {len(wl)} requests ...")
@@ -366,254 +781,505 @@ def offline_bench(model_dir, wl: Workload, *, device: str = "cpu", dtype: str = 
     if "hf-static" in peers or "hf-best" in peers:
         log(f"transformers generate, static batches of {max_num_seqs} ...")
         jobs["hf-static"] = hf_static_job(hf, wl, max_num_seqs)
-    if "hf-best" in peers:     # the sweep picks the batch size first (one warmed-up run each), so that the best is timed in turns too
-        sizes = hf_batch_sizes or sorted({b for b in (max_num_seqs // 4, max_num_seqs // 2, max_num_seqs * 2, len(wl)) if 1 <= b <= len(wl)} - {max_num_seqs})
-        for _ in range(warmup): jobs["hf-static"]()
+    if (
+        "hf-best" in peers
+    ):  # the sweep picks the batch size first (one warmed-up run each), so that the best is timed in turns too
+        sizes = hf_batch_sizes or sorted(
+            {
+                b
+                for b in (max_num_seqs // 4, max_num_seqs // 2, max_num_seqs * 2, len(wl))
+                if 1 <= b <= len(wl)
+            }
+            - {max_num_seqs}
+        )
+        for _ in range(warmup):
+            jobs["hf-static"]()
         sweep = {max_num_seqs: run_hf_static(hf, wl, max_num_seqs, 1, 0).median}
         for b in sizes:
-            log(f"transformers generate sweep: batch {b} (1 run) ..."); sweep[b] = run_hf_static(hf, wl, b, 1, 0).median
+            log(f"transformers generate sweep: batch {b} (1 run) ...")
+            sweep[b] = run_hf_static(hf, wl, b, 1, 0).median
         best = min(sweep, key=sweep.get)
-        if best != max_num_seqs: jobs["hf-best"] = hf_static_job(hf, wl, best)
-        if best != max_num_seqs and "hf-static" not in peers: del jobs["hf-static"]
+        if best != max_num_seqs:
+            jobs["hf-best"] = hf_static_job(hf, wl, best)
+        if best != max_num_seqs and "hf-static" not in peers:
+            del jobs["hf-static"]
     with contextlib.ExitStack() as stack:
         if "hf-cb" in peers:
             log("transformers continuous batching ...")
-            cbc = hf_cb_config(max_num_seqs, max_num_batched_tokens, block_size, cfg.num_blocks, enable_prefix_caching)
+            cbc = hf_cb_config(
+                max_num_seqs,
+                max_num_batched_tokens,
+                block_size,
+                cfg.num_blocks,
+                enable_prefix_caching,
+            )
             jobs["hf-cb"] = hf_cb_job(stack.enter_context(hf_cb_manager(hf, cbc)), wl)
-        t = measure_interleaved(jobs, repeats, warmup, _sync(device))        # ours, theirs, ours, theirs, ...
+        t = measure_interleaved(
+            jobs, repeats, warmup, _sync(device)
+        )  # ours, theirs, ours, theirs, ...
     tp = f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
     sd = ", ".join(f"{k}={v}" for k, v in (speculative or {}).items() if v is not None)
-    rows = [_row(f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs}{tp}{', ' + sd if sd else ''})", "ours", t["ours"], wl, batch_size=max_num_seqs,
-                 **({"speculative": llm.engine.stats["speculative"]} if speculative else {}))]
+    rows = [
+        _row(
+            f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs}{tp}{', ' + sd if sd else ''})",
+            "ours",
+            t["ours"],
+            wl,
+            batch_size=max_num_seqs,
+            **({"speculative": llm.engine.stats["speculative"]} if speculative else {}),
+        )
+    ]
     if speculative:
-        rows.append(_row(f"hetero_infer without speculative decoding (max_num_seqs={max_num_seqs}{tp})", "ours-plain", t["ours-plain"], wl, batch_size=max_num_seqs))
+        rows.append(
+            _row(
+                f"hetero_infer without speculative decoding (max_num_seqs={max_num_seqs}{tp})",
+                "ours-plain",
+                t["ours-plain"],
+                wl,
+                batch_size=max_num_seqs,
+            )
+        )
         plain.close()
     if "hf-static" in peers:
-        rows.append(_row(f"transformers generate, static batches of {max_num_seqs} (equal batch)", "hf-static", t["hf-static"], wl, batch_size=max_num_seqs))
+        rows.append(
+            _row(
+                f"transformers generate, static batches of {max_num_seqs} (equal batch)",
+                "hf-static",
+                t["hf-static"],
+                wl,
+                batch_size=max_num_seqs,
+            )
+        )
     if "hf-best" in peers:
-        rows.append(_row(f"transformers generate, static batches of {best} (best of sweep {sorted(sweep)})", "hf-best", t.get("hf-best", t["hf-static"]), wl,
-                         batch_size=best, sweep_s={str(k): v for k, v in sorted(sweep.items())}))
+        rows.append(
+            _row(
+                f"transformers generate, static batches of {best} (best of sweep {sorted(sweep)})",
+                "hf-best",
+                t.get("hf-best", t["hf-static"]),
+                wl,
+                batch_size=best,
+                sweep_s={str(k): v for k, v in sorted(sweep.items())},
+            )
+        )
     if "hf-cb" in peers:
-        rows.append(_row(f"transformers continuous batching, max_requests_per_batch={max_num_seqs}", "hf-cb", t["hf-cb"], wl, batch_size=max_num_seqs))
+        rows.append(
+            _row(
+                f"transformers continuous batching, max_requests_per_batch={max_num_seqs}",
+                "hf-cb",
+                t["hf-cb"],
+                wl,
+                batch_size=max_num_seqs,
+            )
+        )
     ours = rows[0]["output_tok_s"]
-    for r in rows: r["ours_over_this"] = ours / r["output_tok_s"]
-    llm.close()                                                           # stops tensor-parallel workers, if any
-    return {"benchmark": "offline", "machine": machine_info(device), "model": str(model_dir), "workload": wl.describe(),
-            "config": {"device": device, "dtype": dtype, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                       "block_size": block_size, "num_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len,
-                       "enable_prefix_caching": enable_prefix_caching, "repeats": repeats, "warmup": warmup,
-                       "tensor_parallel_size": tensor_parallel_size, **(speculative or {})},
-            "results": rows}
+    for r in rows:
+        r["ours_over_this"] = ours / r["output_tok_s"]
+    llm.close()  # stops tensor-parallel workers, if any
+    return {
+        "benchmark": "offline",
+        "machine": machine_info(device),
+        "model": str(model_dir),
+        "workload": wl.describe(),
+        "config": {
+            "device": device,
+            "dtype": dtype,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "block_size": block_size,
+            "num_blocks": cfg.num_blocks,
+            "max_model_len": cfg.max_model_len,
+            "enable_prefix_caching": enable_prefix_caching,
+            "repeats": repeats,
+            "warmup": warmup,
+            "tensor_parallel_size": tensor_parallel_size,
+            **(speculative or {}),
+        },
+        "results": rows,
+    }
+
 
 def format_offline(res: dict) -> str:
     "The offline result as a table: tokens/s, median time and spread, ours ÷ this."
     w = res["workload"]
-    lines = [f"model: {Path(res['model']).name}",   # the directory's name: the JSON keeps the whole path
-             f"workload: {w['num_requests']} requests, input {w['input_len'][0]}-{w['input_len'][1]}, output {w['output_len'][0]}-{w['output_len'][1]} tokens "
-             f"({w['output_tokens']} output tokens), seed {w['seed']}, ignore_eos",
-             f"machine: {machine_label(res['machine'])}", "",
-             f"{'system':<88} {'out tok/s':>10} {'total tok/s':>11} {'median':>10} {'spread':>7} {'ours/this':>9}"]
+    lines = [
+        f"model: {Path(res['model']).name}",  # the directory's name: the JSON keeps the whole path
+        f"workload: {w['num_requests']} requests, input {w['input_len'][0]}-{w['input_len'][1]}, output {w['output_len'][0]}-{w['output_len'][1]} tokens "
+        f"({w['output_tokens']} output tokens), seed {w['seed']}, ignore_eos",
+        f"machine: {machine_label(res['machine'])}",
+        "",
+        f"{'system':<88} {'out tok/s':>10} {'total tok/s':>11} {'median':>10} {'spread':>7} {'ours/this':>9}",
+    ]
     for r in res["results"]:
-        lines.append(f"{r['system']:<88} {r['output_tok_s']:>10.0f} {r['total_tok_s']:>11.0f} {_fmt_s(r['timing']['median_s']):>10} "
-                     f"{r['timing']['spread']:>7.0%} {r['ours_over_this']:>8.2f}x")
+        lines.append(
+            f"{r['system']:<88} {r['output_tok_s']:>10.0f} {r['total_tok_s']:>11.0f} {_fmt_s(r['timing']['median_s']):>10} "
+            f"{r['timing']['spread']:>7.0%} {r['ours_over_this']:>8.2f}x"
+        )
         if "speculative" in r:
             s = r["speculative"]
-            lines.append(f"  speculative decoding: acceptance rate {s['acceptance_rate']:.0%}, {s['mean_accepted_length']:.2f} tokens per verification")
+            lines.append(
+                f"  speculative decoding: acceptance rate {s['acceptance_rate']:.0%}, {s['mean_accepted_length']:.2f} tokens per verification"
+            )
     return "\n".join(lines)
+
 
 # %% ../nbs/11_benchmarks.ipynb #5f39627d
 @dataclass
 class RequestRecord:
     "What one streamed request saw (seconds, perf_counter clock)."
+
     prompt_len: int
     max_tokens: int
     sent: float = 0.0
-    token_times: list[float] = field(default_factory=list)   # arrival time of every streamed chunk with a token
-    output_len: int = 0                                       # from the usage chunk, else the chunks counted
+    token_times: list[float] = field(
+        default_factory=list
+    )  # arrival time of every streamed chunk with a token
+    output_len: int = 0  # from the usage chunk, else the chunks counted
     error: str | None = None
 
     @property
-    def ok(self) -> bool: return self.error is None and bool(self.token_times)
+    def ok(self) -> bool:
+        return self.error is None and bool(self.token_times)
+
     @property
-    def ttft(self) -> float: return self.token_times[0] - self.sent
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
     @property
-    def e2e(self) -> float: return self.token_times[-1] - self.sent
+    def e2e(self) -> float:
+        return self.token_times[-1] - self.sent
+
     @property
-    def itls(self) -> list[float]: return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
     @property
-    def tpot(self) -> float | None: return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     "Send times (s from the start) of `n` requests arriving as a Poisson process of `rate` per second; rate=inf is a burst."
-    if not rate > 0: raise ValueError(f"rate must be > 0 requests/s (inf for a burst), got {rate}")
-    if math.isinf(rate): return [0.0] * n
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s (inf for a burst), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
     rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n): t += rng.expovariate(rate); out.append(t)
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
     return out
+
 
 def latency_stats(xs: list[float], ps=(50, 90, 99)) -> dict:
     "Mean and percentiles of a latency sample, in milliseconds."
-    if not xs: return {"mean_ms": None, **{f"p{p}_ms": None for p in ps}}
+    if not xs:
+        return {"mean_ms": None, **{f"p{p}_ms": None for p in ps}}
     return {"mean_ms": 1e3 * sum(xs) / len(xs), **{f"p{p}_ms": 1e3 * percentile(xs, p) for p in ps}}
 
-def serve_metrics(recs: list[RequestRecord], duration: float, slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 200.0) -> dict:
+
+def serve_metrics(
+    recs: list[RequestRecord],
+    duration: float,
+    slo_ttft_ms: float = 1000.0,
+    slo_tpot_ms: float = 200.0,
+) -> dict:
     "TTFT, TPOT, ITL and E2E percentiles, throughput and goodput (requests/s meeting both targets) of one run."
     ok = [r for r in recs if r.ok]
-    good = [r for r in ok if r.ttft * 1e3 <= slo_ttft_ms and (r.tpot is None or r.tpot * 1e3 <= slo_tpot_ms)]
-    return {"completed": len(ok), "failed": len(recs) - len(ok), "duration_s": duration,
-            "request_throughput": len(ok) / duration, "output_throughput": sum(r.output_len for r in ok) / duration,
-            "goodput": len(good) / duration, "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
-            "ttft": latency_stats([r.ttft for r in ok]), "tpot": latency_stats([r.tpot for r in ok if r.tpot is not None]),
-            "itl": latency_stats([x for r in ok for x in r.itls]), "e2e": latency_stats([r.e2e for r in ok]),
-            "errors": sorted({r.error for r in recs if r.error})[:5]}
+    good = [
+        r
+        for r in ok
+        if r.ttft * 1e3 <= slo_ttft_ms and (r.tpot is None or r.tpot * 1e3 <= slo_tpot_ms)
+    ]
+    return {
+        "completed": len(ok),
+        "failed": len(recs) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": sum(r.output_len for r in ok) / duration,
+        "goodput": len(good) / duration,
+        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
+        "ttft": latency_stats([r.ttft for r in ok]),
+        "tpot": latency_stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl": latency_stats([x for r in ok for x in r.itls]),
+        "e2e": latency_stats([r.e2e for r in ok]),
+        "errors": sorted({r.error for r in recs if r.error})[:5],
+    }
+
 
 # %% ../nbs/11_benchmarks.ipynb #9415d909
 async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> None:
     rec.sent = time.perf_counter()
     try:
-        async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
+        async with client.stream(
+            "POST", url.rstrip("/") + "/v1/completions", json=body, headers=headers
+        ) as resp:
             if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"; return
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
+                return
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"): continue
+                if not line.startswith("data:"):
+                    continue
                 data = line[5:].strip()
-                if data == "[DONE]": break
+                if data == "[DONE]":
+                    break
                 chunk = json.loads(data)
-                if chunk.get("choices"): rec.token_times.append(time.perf_counter())
-                if chunk.get("usage"): rec.output_len = chunk["usage"].get("completion_tokens", 0)
-    except Exception as e: rec.error = f"{type(e).__name__}: {e}"
-    if not rec.output_len: rec.output_len = len(rec.token_times)
+                if chunk.get("choices"):
+                    rec.token_times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    rec.output_len = chunk["usage"].get("completion_tokens", 0)
+    except Exception as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    if not rec.output_len:
+        rec.output_len = len(rec.token_times)
 
-async def _run_load(url: str, model: str, wl: Workload, arrivals: list[float], api_key: str | None, timeout: float) -> tuple[list[RequestRecord], float]:
+
+async def _run_load(
+    url: str, model: str, wl: Workload, arrivals: list[float], api_key: str | None, timeout: float
+) -> tuple[list[RequestRecord], float]:
     import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     recs = [RequestRecord(len(p), o) for p, o in zip(wl.prompts, wl.output_lens)]
     limits = httpx.Limits(max_connections=len(wl) + 1, max_keepalive_connections=len(wl) + 1)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         t0 = time.perf_counter()
+
         async def one(i):
             await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-            body = {"model": model, "prompt": wl.prompts[i], "max_tokens": wl.output_lens[i], "temperature": 0.0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": wl.prompts[i],
+                "max_tokens": wl.output_lens[i],
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             await _stream_one(client, url, body, recs[i], headers)
+
         await asyncio.gather(*(one(i) for i in range(len(wl))))
         return recs, time.perf_counter() - t0
 
+
 def _run_async(coro):
     "Run `coro` to completion, in a thread of its own when an event loop already runs here (Jupyter)."
-    try: asyncio.get_running_loop()
-    except RuntimeError: return asyncio.run(coro)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
     import concurrent.futures
-    with concurrent.futures.ThreadPoolExecutor(1) as ex: return ex.submit(asyncio.run, coro).result()
 
-def run_load(url: str, model: str, wl: Workload, rate: float, seed: int = 0, api_key: str | None = None, timeout: float = 600) -> tuple[list[RequestRecord], float]:
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result()
+
+
+def run_load(
+    url: str,
+    model: str,
+    wl: Workload,
+    rate: float,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout: float = 600,
+) -> tuple[list[RequestRecord], float]:
     "Send the workload to `url` with Poisson arrivals at `rate` requests/s (inf: a burst); the records and the wall time."
-    return _run_async(_run_load(url, model, wl, poisson_arrivals(len(wl), rate, seed), api_key, timeout))
+    return _run_async(
+        _run_load(url, model, wl, poisson_arrivals(len(wl), rate, seed), api_key, timeout)
+    )
+
 
 def _free_port() -> int:
-    with socket.socket() as s: s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 def _shown(arg: str) -> str:
     "A command-line argument as logs and tables show it: an absolute path by its last part (the JSON keeps the whole path)."
     return Path(arg).name if os.path.isabs(arg) else arg
 
+
 @contextlib.contextmanager
-def serving(url: str | None = None, serve_args: list[str] = (), startup_timeout: float = 120, log=print):
+def serving(
+    url: str | None = None, serve_args: list[str] = (), startup_timeout: float = 120, log=print
+):
     "Yield the base URL of a server: `url` itself, or a `hetero-infer serve` started here on a free port (stopped on exit)."
     import httpx
-    if url: yield url.rstrip("/"); return
+
+    if url:
+        yield url.rstrip("/")
+        return
     port = _free_port()
-    cmd = [sys.executable, "-c", "import sys; from hetero_infer.cli import main; sys.exit(main())", "serve",
-           "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from hetero_infer.cli import main; sys.exit(main())",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *serve_args,
+    ]
     log("starting: hetero-infer " + " ".join(shlex.quote(_shown(a)) for a in cmd[3:]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
     try:
         while True:
-            if proc.poll() is not None: raise RuntimeError(f"hetero-infer serve exited with status {proc.returncode}: {proc.stdout.read()[-2000:]}")
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"hetero-infer serve exited with status {proc.returncode}: {proc.stdout.read()[-2000:]}"
+                )
             try:
-                if httpx.get(base + "/readyz", timeout=2).status_code == 200: break
-            except httpx.HTTPError: pass
-            if time.perf_counter() - t0 > startup_timeout: raise RuntimeError(f"hetero-infer serve was not ready (/readyz) within {startup_timeout} s")
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > startup_timeout:
+                raise RuntimeError(
+                    f"hetero-infer serve was not ready (/readyz) within {startup_timeout} s"
+                )
             time.sleep(0.25)
         yield base
     finally:
         proc.terminate()
-        try: proc.wait(timeout=30)
-        except subprocess.TimeoutExpired: proc.kill(); proc.wait()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 
 def served_model(url: str, api_key: str | None = None) -> str:
     "The first model id the server lists at /v1/models."
     import httpx
-    r = httpx.get(url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}, timeout=10)
+
+    r = httpx.get(
+        url.rstrip("/") + "/v1/models",
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+        timeout=10,
+    )
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 
+
 # %% ../nbs/11_benchmarks.ipynb #bb8dc327
-def serve_bench(url: str | None, wl: Workload, rates=(1.0, 2.0, 4.0, 8.0), burst: bool = True, seed: int = 0,
-                slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 200.0, serve_args: list[str] = (), model: str | None = None,
-                api_key: str | None = None, log=print) -> dict:
+def serve_bench(
+    url: str | None,
+    wl: Workload,
+    rates=(1.0, 2.0, 4.0, 8.0),
+    burst: bool = True,
+    seed: int = 0,
+    slo_ttft_ms: float = 1000.0,
+    slo_tpot_ms: float = 200.0,
+    serve_args: list[str] = (),
+    model: str | None = None,
+    api_key: str | None = None,
+    log=print,
+) -> dict:
     "Poisson load at each rate (and a burst) against a server; per rate the latency percentiles, throughput and goodput."
     rates = [float(r) for r in rates] + ([float("inf")] if burst else [])
-    if not rates: raise ValueError("rates: give at least one request rate, or burst")
+    if not rates:
+        raise ValueError("rates: give at least one request rate, or burst")
     runs = []
     with serving(url, serve_args, log=log) as base:
         name = model or served_model(base, api_key)
-        run_load(base, name, Workload(wl.prompts[:2], [2, 2]), float("inf"), seed, api_key)      # warm-up
+        run_load(
+            base, name, Workload(wl.prompts[:2], [2, 2]), float("inf"), seed, api_key
+        )  # warm-up
         for rate in rates:
             log(f"rate {rate:g} req/s: {len(wl)} requests ...")
             recs, dur = run_load(base, name, wl, rate, seed, api_key)
-            runs.append({"rate": "burst" if math.isinf(rate) else rate, **serve_metrics(recs, dur, slo_ttft_ms, slo_tpot_ms)})
-    return {"benchmark": "serve", "machine": machine_info("cpu"), "url": base, "started_here": url is None, "model": name,
-            "serve_args": list(serve_args), "workload": wl.describe(), "runs": runs}
+            runs.append(
+                {
+                    "rate": "burst" if math.isinf(rate) else rate,
+                    **serve_metrics(recs, dur, slo_ttft_ms, slo_tpot_ms),
+                }
+            )
+    return {
+        "benchmark": "serve",
+        "machine": machine_info("cpu"),
+        "url": base,
+        "started_here": url is None,
+        "model": name,
+        "serve_args": list(serve_args),
+        "workload": wl.describe(),
+        "runs": runs,
+    }
+
 
 def format_serve(res: dict) -> str:
     "The serve result as a table: one row per rate."
     w = res["workload"]
-    head = (f"{'rate':>6} {'done':>5} {'req/s':>6} {'out tok/s':>9} {'goodput':>7} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} | "
-            f"{'TPOT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>7} | {'E2E p50':>7} {'p99':>7}  (ms)")
-    args = [_shown(a) for a in res["serve_args"]]                                   # the model directory by name, as above
-    where = (f"served by `hetero-infer serve {' '.join(map(shlex.quote, args))}` started by this benchmark"
-             if res.get("started_here", res["url"] == "(started here)") else f"at {res['url']}")
-    lines = [f"model: {Path(res['model']).name}, {where}; {w['num_requests']} requests per rate, input {w['input_len']}, output {w['output_len']}",
-             f"machine: {machine_label(res['machine'])}", "", head]
+    head = (
+        f"{'rate':>6} {'done':>5} {'req/s':>6} {'out tok/s':>9} {'goodput':>7} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} | "
+        f"{'TPOT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>7} | {'E2E p50':>7} {'p99':>7}  (ms)"
+    )
+    args = [_shown(a) for a in res["serve_args"]]  # the model directory by name, as above
+    where = (
+        f"served by `hetero-infer serve {' '.join(map(shlex.quote, args))}` started by this benchmark"
+        if res.get("started_here", res["url"] == "(started here)")
+        else f"at {res['url']}"
+    )
+    lines = [
+        f"model: {Path(res['model']).name}, {where}; {w['num_requests']} requests per rate, input {w['input_len']}, output {w['output_len']}",
+        f"machine: {machine_label(res['machine'])}",
+        "",
+        head,
+    ]
     f = lambda d, k: f"{d[k]:.0f}" if d[k] is not None else "-"
     for r in res["runs"]:
-        lines.append(f"{r['rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>6.2f} {r['output_throughput']:>9.0f} {r['goodput']:>7.2f} | "
-                     f"{f(r['ttft'], 'p50_ms'):>8} {f(r['ttft'], 'p90_ms'):>7} {f(r['ttft'], 'p99_ms'):>7} | {f(r['tpot'], 'p50_ms'):>8} "
-                     f"{f(r['tpot'], 'p99_ms'):>7} | {f(r['itl'], 'p50_ms'):>7} {f(r['itl'], 'p99_ms'):>7} | {f(r['e2e'], 'p50_ms'):>7} {f(r['e2e'], 'p99_ms'):>7}")
-        if r["errors"]: lines.append(f"       errors: {r['errors']}")
+        lines.append(
+            f"{r['rate']!s:>6} {r['completed']:>5} {r['request_throughput']:>6.2f} {r['output_throughput']:>9.0f} {r['goodput']:>7.2f} | "
+            f"{f(r['ttft'], 'p50_ms'):>8} {f(r['ttft'], 'p90_ms'):>7} {f(r['ttft'], 'p99_ms'):>7} | {f(r['tpot'], 'p50_ms'):>8} "
+            f"{f(r['tpot'], 'p99_ms'):>7} | {f(r['itl'], 'p50_ms'):>7} {f(r['itl'], 'p99_ms'):>7} | {f(r['e2e'], 'p50_ms'):>7} {f(r['e2e'], 'p99_ms'):>7}"
+        )
+        if r["errors"]:
+            lines.append(f"       errors: {r['errors']}")
     return "\n".join(lines)
+
 
 def plot_rate_sweep(res: dict):
     "Output throughput and p99 TTFT against the offered request rate (the burst is left out)."
     import matplotlib.pyplot as plt
+
     runs = [r for r in res["runs"] if r["rate"] != "burst" and r["completed"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.8))
     x = [r["rate"] for r in runs]
     a.plot(x, [r["output_throughput"] for r in runs], "o-", label="output tokens/s")
-    a.set_xlabel("offered load (requests/s)"); a.set_ylabel("output tokens/s"); a.set_title("throughput")
+    a.set_xlabel("offered load (requests/s)")
+    a.set_ylabel("output tokens/s")
+    a.set_title("throughput")
     b.plot(x, [r["ttft"]["p99_ms"] for r in runs], "o-", color="C3", label="p99 TTFT")
     b.plot(x, [r["ttft"]["p50_ms"] for r in runs], "o--", color="C1", label="p50 TTFT")
-    b.set_xlabel("offered load (requests/s)"); b.set_ylabel("TTFT (ms)"); b.set_title("time to first token"); b.legend()
-    for ax in (a, b): ax.set_ylim(bottom=0)
-    fig.suptitle(f"bench serve, {res['model']}\n{machine_label(res['machine'])}", fontsize=9); fig.tight_layout()
+    b.set_xlabel("offered load (requests/s)")
+    b.set_ylabel("TTFT (ms)")
+    b.set_title("time to first token")
+    b.legend()
+    for ax in (a, b):
+        ax.set_ylim(bottom=0)
+    fig.suptitle(f"bench serve, {res['model']}\n{machine_label(res['machine'])}", fontsize=9)
+    fig.tight_layout()
     return fig
+
 
 # %% ../nbs/11_benchmarks.ipynb #ea33b1ca
 @dataclass
 class StepRecord:
     "One engine step: when it ran and what it held."
+
     t0: float
     t1: float
-    num_decodes: int         # decode tokens (one per decoding sequence)
-    num_tokens: int          # tokens in the flat batch (decodes + prefill chunks)
-    kv_used_blocks: int      # blocks held by running sequences
-    kv_waste_slots: int      # reserved KV slots holding no token yet (last-block slack)
+    num_decodes: int  # decode tokens (one per decoding sequence)
+    num_tokens: int  # tokens in the flat batch (decodes + prefill chunks)
+    kv_used_blocks: int  # blocks held by running sequences
+    kv_waste_slots: int  # reserved KV slots holding no token yet (last-block slack)
+
 
 @dataclass
 class Trace:
     "Per-step records and per-request token times of one run; times in seconds from its start."
+
     steps: list[StepRecord]
     arrivals: dict[str, float]
     token_times: dict[str, list[float]]
@@ -621,28 +1287,53 @@ class Trace:
     block_size: int = 16
 
     @property
-    def duration(self) -> float: return max(self.steps[-1].t1, 1e-9) if self.steps else 0.0
-    def ttfts(self) -> list[float]: return [ts[0] - self.arrivals[r] for r, ts in self.token_times.items() if ts]
+    def duration(self) -> float:
+        return max(self.steps[-1].t1, 1e-9) if self.steps else 0.0
+
+    def ttfts(self) -> list[float]:
+        return [ts[0] - self.arrivals[r] for r, ts in self.token_times.items() if ts]
+
     def itls(self, rids=None) -> list[float]:
-        return [b - a for r, ts in self.token_times.items() if rids is None or r in rids for a, b in zip(ts, ts[1:])]
-    def output_tokens(self) -> int: return sum(map(len, self.token_times.values()))
+        return [
+            b - a
+            for r, ts in self.token_times.items()
+            if rids is None or r in rids
+            for a, b in zip(ts, ts[1:])
+        ]
+
+    def output_tokens(self) -> int:
+        return sum(map(len, self.token_times.values()))
+
     def summary(self) -> dict:
         itl, ttft = self.itls(), self.ttfts()
-        return {"throughput_tok_s": self.output_tokens() / self.duration, "steps": len(self.steps),
-                "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-                "itl_p50_ms": 1e3 * percentile(itl, 50) if itl else None, "itl_p99_ms": 1e3 * percentile(itl, 99) if itl else None,
-                "itl_max_ms": 1e3 * max(itl) if itl else None, "preemptions": self.stats.get("preemptions", 0),
-                "prefix_hit_rate": self.stats.get("prefix_cache", {}).get("hit_rate"),
-                "kv_waste_share": sum(s.kv_waste_slots for s in self.steps) / max(1, sum(s.kv_used_blocks for s in self.steps) * self.block_size)}
+        return {
+            "throughput_tok_s": self.output_tokens() / self.duration,
+            "steps": len(self.steps),
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+            "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+            "itl_p50_ms": 1e3 * percentile(itl, 50) if itl else None,
+            "itl_p99_ms": 1e3 * percentile(itl, 99) if itl else None,
+            "itl_max_ms": 1e3 * max(itl) if itl else None,
+            "preemptions": self.stats.get("preemptions", 0),
+            "prefix_hit_rate": self.stats.get("prefix_cache", {}).get("hit_rate"),
+            "kv_waste_share": sum(s.kv_waste_slots for s in self.steps)
+            / max(1, sum(s.kv_used_blocks for s in self.steps) * self.block_size),
+        }
+
 
 def _kv_state(engine) -> tuple[int, int]:
     bs, used, waste = engine.config.block_size, 0, 0
     for seq in engine.scheduler.running:
-        used += len(seq.block_table); waste += len(seq.block_table) * bs - len(seq.token_ids)
+        used += len(seq.block_table)
+        waste += len(seq.block_table) * bs - len(seq.token_ids)
     return used, max(0, waste)
 
-def trace_engine(engine, requests: list[tuple],   # (request_id, prompt token ids, SamplingParams, arrival s)
-                 max_steps: int = 100_000) -> Trace:
+
+def trace_engine(
+    engine,
+    requests: list[tuple],  # (request_id, prompt token ids, SamplingParams, arrival s)
+    max_steps: int = 100_000,
+) -> Trace:
     "Run the engine's step loop over requests arriving at their times; record every step and every token's time."
     pending = sorted(requests, key=lambda r: r[3])
     arrivals = {r[0]: r[3] for r in requests}
@@ -651,9 +1342,12 @@ def trace_engine(engine, requests: list[tuple],   # (request_id, prompt token id
     while (i < len(pending) or engine.has_unfinished_requests()) and len(steps) < max_steps:
         now = time.perf_counter() - t_start
         while i < len(pending) and pending[i][3] <= now:
-            rid, prompt, params, _ = pending[i]; engine.add_request(rid, prompt, params); i += 1
+            rid, prompt, params, _ = pending[i]
+            engine.add_request(rid, prompt, params)
+            i += 1
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[i][3] - (time.perf_counter() - t_start))); continue
+            time.sleep(max(0.0, pending[i][3] - (time.perf_counter() - t_start)))
+            continue
         used, waste = _kv_state(engine)
         t0 = time.perf_counter() - t_start
         sched_before = engine.counters["batched_tokens"], engine.scheduler.stats.decode_tokens
@@ -663,22 +1357,35 @@ def trace_engine(engine, requests: list[tuple],   # (request_id, prompt token id
         n_dec = engine.scheduler.stats.decode_tokens - sched_before[1]
         for o in outs:
             n = len(o.outputs[0].token_ids) if o.outputs else 0
-            times[o.request_id] += [t1] * (n - seen[o.request_id]); seen[o.request_id] = n
+            times[o.request_id] += [t1] * (n - seen[o.request_id])
+            seen[o.request_id] = n
         steps.append(StepRecord(t0, t1, n_dec, n_tok, used, waste))
     return Trace(steps, arrivals, times, engine.stats, engine.config.block_size)
+
 
 # %% ../nbs/11_benchmarks.ipynb #2bfa2126
 def bench_engine(model=None, **config):
     "An `LLMEngine` for experiments: greedy, fp32 on CPU; `model` None is the demo model, a DUMMY_CONFIGS name builds that one."
     from hetero_infer.engine import LLMEngine
     from hetero_infer.core import EngineConfig
-    if isinstance(model, str) and model in DUMMY_CONFIGS: model = str(dummy_checkpoint(model))
-    return LLMEngine(EngineConfig(model=None if model is None else str(model), **{"dtype": "float32", **config}))
 
-def make_requests(wl: Workload, arrivals: list[float] | None = None, prefix: str = "r") -> list[tuple]:
+    if isinstance(model, str) and model in DUMMY_CONFIGS:
+        model = str(dummy_checkpoint(model))
+    return LLMEngine(
+        EngineConfig(model=None if model is None else str(model), **{"dtype": "float32", **config})
+    )
+
+
+def make_requests(
+    wl: Workload, arrivals: list[float] | None = None, prefix: str = "r"
+) -> list[tuple]:
     "The (request_id, prompt, params, arrival) tuples `trace_engine` takes; all at t=0 unless `arrivals` are given."
     arrivals = arrivals or [0.0] * len(wl)
-    return [(f"{prefix}{i}", p, sp, a) for i, (p, sp, a) in enumerate(zip(wl.prompts, wl.params(), arrivals))]
+    return [
+        (f"{prefix}{i}", p, sp, a)
+        for i, (p, sp, a) in enumerate(zip(wl.prompts, wl.params(), arrivals))
+    ]
+
 
 # %% ../nbs/11_benchmarks.ipynb #eee3001c
 def copy_bandwidth(device="cpu", nbytes: int = 2**27, repeats: int = 5) -> float:
@@ -688,296 +1395,625 @@ def copy_bandwidth(device="cpu", nbytes: int = 2**27, repeats: int = 5) -> float
     t = measure(lambda: dst.copy_(src), repeats, 1, _sync(device))
     return 2 * src.nbytes / t.median
 
+
 def matmul_flops(device="cpu", n: int = 1024, dtype=torch.float32, repeats: int = 5) -> float:
     "FLOP/s of an n x n x n matmul, median of `repeats`."
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     t = measure(lambda: a @ b, repeats, 1, _sync(device))
-    return 2 * n ** 3 / t.median
+    return 2 * n**3 / t.median
+
 
 def weight_bytes(model) -> int:
     "Bytes of weights one step reads: all parameters but the embedding table (only the batch's rows are read) unless tied."
     c, total = model.config, 0
     for n, p in model.named_parameters():
-        if n == "embed_tokens.weight" and not c.tie_word_embeddings: continue
+        if n == "embed_tokens.weight" and not c.tie_word_embeddings:
+            continue
         total += p.numel() * p.element_size()
     return total
+
 
 def kv_bytes_per_token(model) -> int:
     "Bytes of K and V one token holds over all layers."
     c, p = model.config, next(model.parameters())
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * p.element_size()
 
+
 def decode_floor(model, batch: int, context: int, bandwidth: float) -> float:
     "Seconds a decode step of `batch` sequences at `context` tokens cannot beat: weights + KV bytes over the bandwidth."
     return (weight_bytes(model) + batch * context * kv_bytes_per_token(model)) / bandwidth
 
+
 def decode_flops(model, batch: int, context: int) -> float:
     "FLOPs of one decode step: 2 x matmul parameters per sequence, plus attention over each sequence's context."
     c = model.config
-    mm = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "embed_tokens.weight")
+    mm = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and n != "embed_tokens.weight"
+    )
     return batch * (2 * mm + 2 * 2 * c.num_layers * c.num_heads * c.head_dim * context)
+
 
 def roofline_floor(model, batch: int, context: int, bandwidth: float, flops: float) -> float:
     "Seconds a decode step cannot beat on either roof: max(bytes read / bandwidth, FLOPs / matmul rate)."
-    return max(decode_floor(model, batch, context, bandwidth), decode_flops(model, batch, context) / flops)
+    return max(
+        decode_floor(model, batch, context, bandwidth), decode_flops(model, batch, context) / flops
+    )
+
 
 def prefill_flops(model, tokens: int) -> float:
     "FLOPs of prefilling one prompt of `tokens`: 2 x matmul parameters x tokens, plus causal attention."
     c = model.config
-    mm = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "embed_tokens.weight")
+    mm = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and n != "embed_tokens.weight"
+    )
     attn = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
     return 2 * mm * tokens + attn
+
 
 # %% ../nbs/11_benchmarks.ipynb #4da4254d
 def decode_batch(engine, batch: int, context: int, decode_steps: int, seed: int = 0) -> None:
     "Add `batch` random requests of `context` prompt tokens and step until every one is decoding."
     vocab = engine.runner.model.config.vocab_size
-    n_out = decode_steps + 4 + -(-batch * context // engine.config.max_num_batched_tokens)   # the first ones decode while the rest prefill
-    wl = random_workload(batch, (context, context), (n_out, n_out), vocab_size=vocab, seed=seed, low_id=min(3, vocab - 1))
-    for i, (p, sp) in enumerate(zip(wl.prompts, wl.params())):      # with text, as a user's request: the detokenizer is part of a step
+    n_out = (
+        decode_steps + 4 + -(-batch * context // engine.config.max_num_batched_tokens)
+    )  # the first ones decode while the rest prefill
+    wl = random_workload(
+        batch,
+        (context, context),
+        (n_out, n_out),
+        vocab_size=vocab,
+        seed=seed,
+        low_id=min(3, vocab - 1),
+    )
+    for i, (p, sp) in enumerate(
+        zip(wl.prompts, wl.params())
+    ):  # with text, as a user's request: the detokenizer is part of a step
         engine.add_request(f"dec-{seed}-{i}", p, dataclasses.replace(sp, detokenize=True))
-    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running): engine.step()
+    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+        engine.step()
+
 
 def drain(engine) -> None:
     "Abort every request and flush the engine."
     engine.abort_request(list(engine.requests))
-    while engine.has_unfinished_requests(): engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
 
-def decode_step_time(engine, batch: int, context: int, repeats: int = 5, warmup: int = 1, seed: int = 0) -> Timing:
+
+def decode_step_time(
+    engine, batch: int, context: int, repeats: int = 5, warmup: int = 1, seed: int = 0
+) -> Timing:
     "Time one decode step of `batch` sequences at about `context` tokens each."
     decode_batch(engine, batch, context, repeats + warmup, seed)
     sync = _sync(engine.runner.device)
-    try: return measure(engine.step, repeats, warmup, sync)
-    finally: drain(engine)
+    try:
+        return measure(engine.step, repeats, warmup, sync)
+    finally:
+        drain(engine)
+
 
 def prefill_time(engine, tokens: int, repeats: int = 3, warmup: int = 1) -> Timing:
     "Time the step that prefills one fresh `tokens`-token prompt (budget permitting, in one step)."
     vocab, k = engine.runner.model.config.vocab_size, iter(range(10**9))
+
     def run():
         i = next(k)
-        engine.add_request(f"pre-{i}", random_workload(1, (tokens, tokens), (1, 1), vocab, seed=i).prompts[0], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        engine.add_request(
+            f"pre-{i}",
+            random_workload(1, (tokens, tokens), (1, 1), vocab, seed=i).prompts[0],
+            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        )
         engine.step()
-        while engine.has_unfinished_requests(): engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+
     return measure(run, repeats, warmup, _sync(engine.runner.device))
+
 
 # %% ../nbs/11_benchmarks.ipynb #0fb0b34d
 PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "output", "other")
+
 
 def _wrap(obj, name: str, acc: dict, phase: str, undo: list) -> None:
     "Replace `obj.name` by a timed call that adds its seconds to `acc[phase]`; `undo` gets the restore action."
     orig, had = getattr(obj, name), name in vars(obj)
     saved = vars(obj).get(name)
+
     def timed(*a, **k):
         t = time.perf_counter()
-        try: return orig(*a, **k)
-        finally: acc[phase] += time.perf_counter() - t
+        try:
+            return orig(*a, **k)
+        finally:
+            acc[phase] += time.perf_counter() - t
+
     setattr(obj, name, timed)
     undo.append(lambda: setattr(obj, name, saved) if had else delattr(obj, name))
+
 
 @contextlib.contextmanager
 def profile_phases(engine):
     "Within the block, time the engine's step phases; yields a dict of phase -> total seconds, and 'steps'."
     acc, undo = defaultdict(float), []
     sync = _sync(engine.runner.device)
-    for obj, name, phase in [(engine.scheduler, "schedule", "schedule"), (engine.scheduler, "update", "schedule"),
-                             (engine.runner, "prepare", "prepare"), (engine.runner, "copy_blocks", "prepare"),
-                             (engine.runner.model, "forward", "forward"), (engine.runner.model, "compute_logits", "forward"),
-                             (engine, "sampler", "sample"), (engine, "_output", "output")]:
+    for obj, name, phase in [
+        (engine.scheduler, "schedule", "schedule"),
+        (engine.scheduler, "update", "schedule"),
+        (engine.runner, "prepare", "prepare"),
+        (engine.runner, "copy_blocks", "prepare"),
+        (engine.runner.model, "forward", "forward"),
+        (engine.runner.model, "compute_logits", "forward"),
+        (engine, "sampler", "sample"),
+        (engine, "_output", "output"),
+    ]:
         _wrap(obj, name, acc, phase, undo)
+
     def wrap_detok(req):
         for d in req.detok.values():
-            if "add" not in vars(d): _wrap(d, "add", acc, "detokenize", undo)
-    for req in engine.requests.values(): wrap_detok(req)
+            if "add" not in vars(d):
+                _wrap(d, "add", acc, "detokenize", undo)
+
+    for req in engine.requests.values():
+        wrap_detok(req)
     track = engine._track
-    def tracked(req, seq): track(req, seq); wrap_detok(req)
-    engine._track = tracked; undo.append(lambda: delattr(engine, "_track"))
+
+    def tracked(req, seq):
+        track(req, seq)
+        wrap_detok(req)
+
+    engine._track = tracked
+    undo.append(lambda: delattr(engine, "_track"))
     step = engine.step
+
     def timed_step():
         t = time.perf_counter()
-        try: return step()
+        try:
+            return step()
         finally:
-            if sync: sync()
-            acc["total"] += time.perf_counter() - t; acc["steps"] += 1
-    engine.step = timed_step; undo.append(lambda: delattr(engine, "step"))
-    try: yield acc
+            if sync:
+                sync()
+            acc["total"] += time.perf_counter() - t
+            acc["steps"] += 1
+
+    engine.step = timed_step
+    undo.append(lambda: delattr(engine, "step"))
+    try:
+        yield acc
     finally:
-        for u in reversed(undo): u()
+        for u in reversed(undo):
+            u()
         acc["other"] = acc["total"] - sum(acc[p] for p in PHASES if p != "other")
+
 
 def step_breakdown(engine, batch: int, context: int = 16, steps: int = 5, seed: int = 0) -> dict:
     "Milliseconds per decode step in each phase, at `batch` sequences of about `context` tokens."
     decode_batch(engine, batch, context, steps + 1, seed)
-    engine.step()                                                            # warm-up
+    engine.step()  # warm-up
     try:
         with profile_phases(engine) as acc:
-            for _ in range(steps): engine.step()
-    finally: drain(engine)
-    return {p: 1e3 * acc[p] / acc["steps"] for p in PHASES} | {"total": 1e3 * acc["total"] / acc["steps"]}
+            for _ in range(steps):
+                engine.step()
+    finally:
+        drain(engine)
+    return {p: 1e3 * acc[p] / acc["steps"] for p in PHASES} | {
+        "total": 1e3 * acc["total"] / acc["steps"]
+    }
+
 
 # %% ../nbs/11_benchmarks.ipynb #27352da8
 def _range_arg(s: str) -> tuple[int, int]:
-    try: lo, hi = (int(x) for x in s.replace(",", " ").replace(":", " ").split())
-    except ValueError: raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {s!r}") from None
+    try:
+        lo, hi = (int(x) for x in s.replace(",", " ").replace(":", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {s!r}") from None
     return lo, hi
 
-def _model_args(p):
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped demo model)")
-    p.add_argument("--dummy-config", default=None, choices=sorted(DUMMY_CONFIGS),
-                   help="benchmark this public model shape with random weights, written once to ~/.cache/hetero_infer/dummy, no download "
-                        f"(choices: {', '.join(sorted(DUMMY_CONFIGS))}; default: none)")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="dummy: random weights with the --model directory's config.json, so shapes are real and text is noise (choices: auto, dummy; default: auto)")
-    p.add_argument("--num-requests", type=int, default=None, help="requests (default: 256; 64 on CPU)")
-    p.add_argument("--input-len", type=_range_arg, default=None, metavar="LO,HI",
-                   help="prompt length, uniform in [LO, HI] (default: 100,1024; /8 on CPU, and fitted to max_model_len)")
-    p.add_argument("--output-len", type=_range_arg, default=None, metavar="LO,HI", help="output length, uniform in [LO, HI] (default: as --input-len)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
-    p.add_argument("--output", default=None, help="write the result as JSON to this file (default: none)")
 
-SPECULATIVE_FLAGS = ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min", "prompt_lookup_max")
+def _model_args(p):
+    p.add_argument(
+        "--model", default=None, help="HF checkpoint directory (default: the shipped demo model)"
+    )
+    p.add_argument(
+        "--dummy-config",
+        default=None,
+        choices=sorted(DUMMY_CONFIGS),
+        help="benchmark this public model shape with random weights, written once to ~/.cache/hetero_infer/dummy, no download "
+        f"(choices: {', '.join(sorted(DUMMY_CONFIGS))}; default: none)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights with the --model directory's config.json, so shapes are real and text is noise (choices: auto, dummy; default: auto)",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="requests (default: 256; 64 on CPU)"
+    )
+    p.add_argument(
+        "--input-len",
+        type=_range_arg,
+        default=None,
+        metavar="LO,HI",
+        help="prompt length, uniform in [LO, HI] (default: 100,1024; /8 on CPU, and fitted to max_model_len)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_range_arg,
+        default=None,
+        metavar="LO,HI",
+        help="output length, uniform in [LO, HI] (default: as --input-len)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    p.add_argument(
+        "--output", default=None, help="write the result as JSON to this file (default: none)"
+    )
+
+
+SPECULATIVE_FLAGS = (
+    "speculative_method",
+    "num_speculative_tokens",
+    "speculative_model",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+)
+
 
 def _speculative_args(g):
     "The speculative-decoding flags of `generate` and `serve` (12_speculative_decoding), for the engine under test."
     from hetero_infer.core import SPECULATIVE_METHODS
-    g.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS, help="ours speculates: ngram (prompt lookup) or draft; the offline run also times ours without it (default: off)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, help="tokens proposed per sequence per step (default: the engine's, 3)")
-    g.add_argument("--speculative-model", default=None, help="draft checkpoint directory for --speculative-method draft (default: none)")
-    g.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram for ngram (default: the engine's, 1)")
-    g.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram for ngram (default: the engine's, 3)")
+
+    g.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=SPECULATIVE_METHODS,
+        help="ours speculates: ngram (prompt lookup) or draft; the offline run also times ours without it (default: off)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="tokens proposed per sequence per step (default: the engine's, 3)",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft checkpoint directory for --speculative-method draft (default: none)",
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=None,
+        help="shortest n-gram for ngram (default: the engine's, 1)",
+    )
+    g.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=None,
+        help="longest n-gram for ngram (default: the engine's, 3)",
+    )
+
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     "Add the `offline` and `serve` sub-commands of `hetero-infer bench` and all their options to `parser`."
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve}")
-    o = sub.add_parser("offline", help="throughput of the engine against transformers generate and continuous batching, same process",
-                       description="Throughput of the engine against transformers generate (static batches) and transformers continuous batching, "
-                                   "on the same model and the same seeded random workload, in one process.")
+    o = sub.add_parser(
+        "offline",
+        help="throughput of the engine against transformers generate and continuous batching, same process",
+        description="Throughput of the engine against transformers generate (static batches) and transformers continuous batching, "
+        "on the same model and the same seeded random workload, in one process.",
+    )
     _model_args(o)
-    o.add_argument("--device", default="auto", help="cpu, cuda or auto: cuda when available (default: auto)")
-    o.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, float16 or bfloat16 (default: auto)")
-    o.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step, and the static batch size of the transformers peer (default: 256; 16 on CPU)")
-    o.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step, also transformers' max_batch_tokens (default: 2048)")
-    o.add_argument("--block-size", type=int, default=16, help="KV block size, also transformers' page_size (default: 16)")
-    o.add_argument("--num-blocks", type=int, default=None, help="KV blocks; transformers gets the same (default: derived from memory)")
-    o.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching and transformers' block sharing (default: on)")
-    o.add_argument("--repeats", type=int, default=3, help="timed runs per system, interleaved across systems; median and spread reported (default: 3)")
-    o.add_argument("--warmup", type=int, default=1, help="untimed runs per system first (default: 1)")
-    o.add_argument("--peers", default=",".join(PEERS), help=f"comma list of transformers peers from {', '.join(PEERS)}; empty: ours only (default: {','.join(PEERS)})")
-    o.add_argument("--hf-batch-sizes", default=None, help="comma list of transformers generate batch sizes to sweep for hf-best "
-                                                          "(default: max_num_seqs / 4, / 2, x 2 and all requests at once)")
-    o.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, which follows OMP_NUM_THREADS)")
-    o.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="processes our engine splits the model across (13_tensor_parallel; the transformers peers run in one process) (default: 1)")
+    o.add_argument(
+        "--device", default="auto", help="cpu, cuda or auto: cuda when available (default: auto)"
+    )
+    o.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (float32 on CPU, bfloat16 on GPU), float32, float16 or bfloat16 (default: auto)",
+    )
+    o.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences per step, and the static batch size of the transformers peer (default: 256; 16 on CPU)",
+    )
+    o.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step, also transformers' max_batch_tokens (default: 2048)",
+    )
+    o.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="KV block size, also transformers' page_size (default: 16)",
+    )
+    o.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks; transformers gets the same (default: derived from memory)",
+    )
+    o.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="disable prefix caching and transformers' block sharing (default: on)",
+    )
+    o.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per system, interleaved across systems; median and spread reported (default: 3)",
+    )
+    o.add_argument(
+        "--warmup", type=int, default=1, help="untimed runs per system first (default: 1)"
+    )
+    o.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"comma list of transformers peers from {', '.join(PEERS)}; empty: ours only (default: {','.join(PEERS)})",
+    )
+    o.add_argument(
+        "--hf-batch-sizes",
+        default=None,
+        help="comma list of transformers generate batch sizes to sweep for hf-best "
+        "(default: max_num_seqs / 4, / 2, x 2 and all requests at once)",
+    )
+    o.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's, which follows OMP_NUM_THREADS)",
+    )
+    o.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="processes our engine splits the model across (13_tensor_parallel; the transformers peers run in one process) (default: 1)",
+    )
     _speculative_args(o)
-    s = sub.add_parser("serve", help="latency and throughput of a server under Poisson load (TTFT, TPOT, ITL, E2E, goodput)",
-                       description="Streams the workload to an OpenAI-compatible server with Poisson arrivals at each rate and as a burst. "
-                                   "Without --url it starts `hetero-infer serve` itself.")
+    s = sub.add_parser(
+        "serve",
+        help="latency and throughput of a server under Poisson load (TTFT, TPOT, ITL, E2E, goodput)",
+        description="Streams the workload to an OpenAI-compatible server with Poisson arrivals at each rate and as a burst. "
+        "Without --url it starts `hetero-infer serve` itself.",
+    )
     _model_args(s)
-    s.add_argument("--url", default=None, help="base URL of a running server (default: start hetero-infer serve here)")
-    s.add_argument("--served-model-name", default=None, help="model name to send (default: the first of /v1/models)")
+    s.add_argument(
+        "--url",
+        default=None,
+        help="base URL of a running server (default: start hetero-infer serve here)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name to send (default: the first of /v1/models)",
+    )
     s.add_argument("--api-key", default=None, help="bearer token for the server (default: none)")
-    s.add_argument("--rates", default="2,4,8,16", help="comma list of request rates (requests/s) for the Poisson runs (default: 2,4,8,16)")
-    s.add_argument("--no-burst", action="store_true", help="skip the burst run, all requests at once (default: the burst runs)")
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput target for time to first token, ms (default: 1000)")
-    s.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput target for time per output token, ms (default: 200)")
-    s.add_argument("--serve-args", default="", help="extra arguments for the started hetero-infer serve, e.g. \"--max-num-seqs 32\" (default: none)")
-    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="processes the started hetero-infer serve splits the model across (default: 1)")
+    s.add_argument(
+        "--rates",
+        default="2,4,8,16",
+        help="comma list of request rates (requests/s) for the Poisson runs (default: 2,4,8,16)",
+    )
+    s.add_argument(
+        "--no-burst",
+        action="store_true",
+        help="skip the burst run, all requests at once (default: the burst runs)",
+    )
+    s.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=1000.0,
+        help="goodput target for time to first token, ms (default: 1000)",
+    )
+    s.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=200.0,
+        help="goodput target for time per output token, ms (default: 200)",
+    )
+    s.add_argument(
+        "--serve-args",
+        default="",
+        help='extra arguments for the started hetero-infer serve, e.g. "--max-num-seqs 32" (default: none)',
+    )
+    s.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="processes the started hetero-infer serve splits the model across (default: 1)",
+    )
     _speculative_args(s)
-    s.add_argument("--plot", default=None, help="write the rate-sweep plot (PNG) to this file (default: none)")
+    s.add_argument(
+        "--plot", default=None, help="write the rate-sweep plot (PNG) to this file (default: none)"
+    )
+
 
 # %% ../nbs/11_benchmarks.ipynb #02c2a9ed
 def _resolve_model(args) -> tuple[str, bool]:
     "The checkpoint directory to benchmark and whether it is random-weight (no tokenizer)."
     from hetero_infer.demo import DEMO_MODEL_DIR
-    if args.dummy_config and args.model: raise ValueError("--dummy-config and --model: give one of them")
-    if args.dummy_config: return str(dummy_checkpoint(args.dummy_config)), True
+
+    if args.dummy_config and args.model:
+        raise ValueError("--dummy-config and --model: give one of them")
+    if args.dummy_config:
+        return str(dummy_checkpoint(args.dummy_config)), True
     if args.load_format == "dummy":
-        if not args.model: raise ValueError("--load-format dummy needs --model (a directory with config.json) or use --dummy-config")
+        if not args.model:
+            raise ValueError(
+                "--load-format dummy needs --model (a directory with config.json) or use --dummy-config"
+            )
         cfg = Path(args.model) / "config.json"
-        if not cfg.exists(): raise ValueError(f"--model: no config.json in {args.model}")
+        if not cfg.exists():
+            raise ValueError(f"--model: no config.json in {args.model}")
         return str(dummy_checkpoint(json.loads(cfg.read_text()))), True
     return str(args.model or DEMO_MODEL_DIR), False
 
+
 def _workload_for(args, model_dir: str, device: str) -> tuple[Workload, str | None]:
     from hetero_infer.model import parse_config
+
     c = parse_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    limit = min(c.max_position_embeddings, getattr(args, "max_model_len", None) or c.max_position_embeddings)
-    n, ilen, olen, note = fit_workload(limit, device, args.num_requests, args.input_len, args.output_len)
-    return random_workload(n, ilen, olen, vocab_size=c.vocab_size, seed=args.seed, low_id=min(3, c.vocab_size - 1)), note
+    limit = min(
+        c.max_position_embeddings, getattr(args, "max_model_len", None) or c.max_position_embeddings
+    )
+    n, ilen, olen, note = fit_workload(
+        limit, device, args.num_requests, args.input_len, args.output_len
+    )
+    return random_workload(
+        n, ilen, olen, vocab_size=c.vocab_size, seed=args.seed, low_id=min(3, c.vocab_size - 1)
+    ), note
+
 
 def _write_json(res: dict, path: str | None) -> None:
-    if path: Path(path).write_text(json.dumps(res, indent=2)); print(f"wrote {path}")
+    if path:
+        Path(path).write_text(json.dumps(res, indent=2))
+        print(f"wrote {path}")
+
 
 def _command_line(args) -> str:
     "The command that produced a result, to store beside it."
     argv = getattr(args, "argv", None)
-    return ("hetero-infer bench " + " ".join(map(shlex.quote, argv))) if argv is not None else " ".join(map(shlex.quote, ["hetero-infer", *sys.argv[1:]]))
+    return (
+        ("hetero-infer bench " + " ".join(map(shlex.quote, argv)))
+        if argv is not None
+        else " ".join(map(shlex.quote, ["hetero-infer", *sys.argv[1:]]))
+    )
+
 
 def _speculative_config(args) -> dict | None:
     "The speculative fields given on the command line (checked by `EngineConfig`), or None when --speculative-method is not."
     from hetero_infer.core import EngineConfig
+
     given = {k: getattr(args, k) for k in SPECULATIVE_FLAGS if getattr(args, k) is not None}
-    if not given: return None
-    EngineConfig(**given)                                   # a ValueError naming the field, before anything loads
+    if not given:
+        return None
+    EngineConfig(**given)  # a ValueError naming the field, before anything loads
     return given
+
 
 def _cmd_offline(args) -> int:
     from hetero_infer.model import resolve_device
+
     if args.threads is not None:
-        if args.threads < 1: raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.repeats < 1: raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     device = resolve_device(args.device)
-    dtype = "float32" if args.dtype == "auto" and device == "cpu" else ("bfloat16" if args.dtype == "auto" else args.dtype)
+    dtype = (
+        "float32"
+        if args.dtype == "auto" and device == "cpu"
+        else ("bfloat16" if args.dtype == "auto" else args.dtype)
+    )
     model, _ = _resolve_model(args)
     wl, note = _workload_for(args, model, device)
-    if note: print(note)
+    if note:
+        print(note)
     mns = args.max_num_seqs or (16 if device == "cpu" else 256)
     peers = [p for p in args.peers.split(",") if p.strip()]
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")] if args.hf_batch_sizes else None
     print(f"threads: {torch.get_num_threads()} (torch intra-op), device {device}, dtype {dtype}")
-    res = offline_bench(model, wl, device=device, dtype=dtype, max_num_seqs=mns, max_num_batched_tokens=args.max_num_batched_tokens,
-                        block_size=args.block_size, num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                        repeats=args.repeats, warmup=args.warmup, peers=peers, hf_batch_sizes=sizes, tensor_parallel_size=args.tensor_parallel_size,
-                        speculative=_speculative_config(args))
+    res = offline_bench(
+        model,
+        wl,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=mns,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        peers=peers,
+        hf_batch_sizes=sizes,
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative=_speculative_config(args),
+    )
     res["command"], res["note"] = _command_line(args), note
-    print(); print(format_offline(res)); _write_json(res, args.output)
+    print()
+    print(format_offline(res))
+    _write_json(res, args.output)
     return 0
+
 
 def _cmd_serve(args) -> int:
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    if any(not r > 0 for r in rates): raise ValueError(f"--rates must be positive request rates, got {args.rates!r}")
+    if any(not r > 0 for r in rates):
+        raise ValueError(f"--rates must be positive request rates, got {args.rates!r}")
     model, _ = _resolve_model(args)
     wl, note = _workload_for(args, model, "cpu" if not torch.cuda.is_available() else "cuda")
-    if note: print(note)
+    if note:
+        print(note)
     serve_args = (["--model", model] if not args.url else []) + shlex.split(args.serve_args)
-    if args.tensor_parallel_size != 1 and not args.url: serve_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.tensor_parallel_size != 1 and not args.url:
+        serve_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     spec = _speculative_config(args)
-    if spec and args.url: raise ValueError("--speculative-method: a server given by --url runs as it was started; pass it to that server's serve")
+    if spec and args.url:
+        raise ValueError(
+            "--speculative-method: a server given by --url runs as it was started; pass it to that server's serve"
+        )
     for k, v in (spec or {}).items():
-        if v is not None: serve_args += ["--" + k.replace("_", "-"), str(v)]
-    res = serve_bench(args.url, wl, rates, not args.no_burst, args.seed, args.slo_ttft_ms, args.slo_tpot_ms, serve_args,
-                      args.served_model_name, args.api_key)
+        if v is not None:
+            serve_args += ["--" + k.replace("_", "-"), str(v)]
+    res = serve_bench(
+        args.url,
+        wl,
+        rates,
+        not args.no_burst,
+        args.seed,
+        args.slo_ttft_ms,
+        args.slo_tpot_ms,
+        serve_args,
+        args.served_model_name,
+        args.api_key,
+    )
     res["command"], res["note"] = _command_line(args), note
-    print(); print(format_serve(res)); _write_json(res, args.output)
+    print()
+    print(format_serve(res))
+    _write_json(res, args.output)
     if args.plot:
-        try: import matplotlib.pyplot as plt
-        except ImportError: raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
-        fig = plot_rate_sweep(res); fig.savefig(args.plot); plt.close(fig); print(f"wrote {args.plot}")
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+        fig = plot_rate_sweep(res)
+        fig.savefig(args.plot)
+        plt.close(fig)
+        print(f"wrote {args.plot}")
     return 0
+
 
 def bench_command(args) -> int:
     "Run `hetero-infer bench offline|serve` from parsed arguments; returns the exit status (2 on bad input)."
-    try: return {"offline": _cmd_offline, "serve": _cmd_serve}[args.bench_command](args)
+    try:
+        return {"offline": _cmd_offline, "serve": _cmd_serve}[args.bench_command](args)
     except ValueError as e:
         print(f"hetero-infer: error: {e}", file=sys.stderr)
         return 2
 
+
 def main(argv: list[str] | None = None) -> int:
     "`python -m hetero_infer.bench offline|serve ...`: the same as `hetero-infer bench`."
-    ap = argparse.ArgumentParser(prog="hetero-infer bench", description="Benchmarks of hetero_infer: offline throughput and online serving.")
+    ap = argparse.ArgumentParser(
+        prog="hetero-infer bench",
+        description="Benchmarks of hetero_infer: offline throughput and online serving.",
+    )
     add_bench_arguments(ap)
     argv = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(argv); args.argv = argv
+    args = ap.parse_args(argv)
+    args.argv = argv
     return bench_command(args)
 
+
 # %% ../nbs/11_benchmarks.ipynb #98440b85
-if __name__ == "__main__" and not hasattr(sys, "ps1") and "ipykernel" not in sys.modules: sys.exit(main())
+if __name__ == "__main__" and not hasattr(sys, "ps1") and "ipykernel" not in sys.modules:
+    sys.exit(main())

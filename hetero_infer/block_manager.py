@@ -11,68 +11,98 @@ from dataclasses import dataclass
 from .core import Sequence
 
 # %% auto #0
-__all__ = ['NoFreeBlocksError', 'hash_block', 'Block', 'BlockStats', 'BlockManager']
+__all__ = ["NoFreeBlocksError", "hash_block", "Block", "BlockStats", "BlockManager"]
+
 
 # %% ../nbs/01_block_allocator.ipynb #8b78b342
 class NoFreeBlocksError(RuntimeError):
     "The pool has too few free blocks for the request; nothing was changed."
 
+
 # %% ../nbs/01_block_allocator.ipynb #61977dd6
-def hash_block(parent: bytes, # the previous block's hash, b"" for a sequence's first block
-               token_ids, # the block's token ids
-              ) -> bytes:
+def hash_block(
+    parent: bytes,  # the previous block's hash, b"" for a sequence's first block
+    token_ids,  # the block's token ids
+) -> bytes:
     "Chained sha256 of one full block: it names the whole prefix up to and including this block."
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
 
 # %% ../nbs/01_block_allocator.ipynb #0b113823
 @dataclass
 class Block:
     "One physical KV-cache block."
+
     block_id: int
-    ref_count: int = 0                  # block tables holding it
-    hash: bytes | None = None           # its chained hash while it is in the prefix cache
-    token_ids: tuple = ()               # the tokens whose KV it holds, kept while cached
+    ref_count: int = 0  # block tables holding it
+    hash: bytes | None = None  # its chained hash while it is in the prefix cache
+    token_ids: tuple = ()  # the tokens whose KV it holds, kept while cached
+
 
 @dataclass
 class BlockStats:
     "Counters of one `BlockManager`."
-    allocations: int = 0                # successful allocate() calls
-    blocks_allocated: int = 0           # blocks taken from the pool (free list or eviction)
-    cache_queries: int = 0              # full blocks looked up in the prefix cache at allocate()
-    cache_hits: int = 0                 # of those, found
-    cached_tokens: int = 0              # tokens served from the prefix cache
-    evictions: int = 0                  # cached blocks evicted (LRU) to make room
-    cow_copies: int = 0                 # blocks copied on write
+
+    allocations: int = 0  # successful allocate() calls
+    blocks_allocated: int = 0  # blocks taken from the pool (free list or eviction)
+    cache_queries: int = 0  # full blocks looked up in the prefix cache at allocate()
+    cache_hits: int = 0  # of those, found
+    cached_tokens: int = 0  # tokens served from the prefix cache
+    evictions: int = 0  # cached blocks evicted (LRU) to make room
+    cow_copies: int = 0  # blocks copied on write
 
     @property
-    def hit_rate(self) -> float: return self.cache_hits / max(self.cache_queries, 1)
+    def hit_rate(self) -> float:
+        return self.cache_hits / max(self.cache_queries, 1)
+
 
 # %% ../nbs/01_block_allocator.ipynb #3601b12e
 class BlockManager:
     "A fixed pool of KV-cache blocks: block tables, ref counts, copy-on-write and a prefix cache with LRU eviction."
-    def __init__(self, num_blocks: int, # physical blocks in the pool
-                 block_size: int, # tokens per block
-                 enable_prefix_caching: bool = True): # share full blocks of identical prefixes
-        if not (isinstance(num_blocks, int) and num_blocks >= 1): raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if not (isinstance(block_size, int) and block_size >= 1): raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
+
+    def __init__(
+        self,
+        num_blocks: int,  # physical blocks in the pool
+        block_size: int,  # tokens per block
+        enable_prefix_caching: bool = True,
+    ):  # share full blocks of identical prefixes
+        if not (isinstance(num_blocks, int) and num_blocks >= 1):
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not (isinstance(block_size, int) and block_size >= 1):
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.num_blocks, self.block_size, self.enable_prefix_caching = (
+            num_blocks,
+            block_size,
+            enable_prefix_caching,
+        )
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(num_blocks))      # ref 0 and not cached
-        self.evictable: OrderedDict[int, None] = OrderedDict()      # ref 0 but cached, least recently used first
-        self.cached: dict[bytes, int] = {}                          # hash -> block id
-        self.seqs: dict[int, Sequence] = {}                         # seq_id -> sequence holding blocks
-        self.cow_pending: dict[int, list[tuple[int, int]]] = {}     # seq_id -> its (src, dst) copies not yet committed
-        self.pins: dict[int, int] = {}                              # block -> uncommitted copies reading it (kept from reuse)
-        self.lent: dict[int, int] = {}                              # seq_id -> leading blocks of its table lent by a sibling, not yet joined
+        self.free_ids: deque[int] = deque(range(num_blocks))  # ref 0 and not cached
+        self.evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # ref 0 but cached, least recently used first
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.seqs: dict[int, Sequence] = {}  # seq_id -> sequence holding blocks
+        self.cow_pending: dict[
+            int, list[tuple[int, int]]
+        ] = {}  # seq_id -> its (src, dst) copies not yet committed
+        self.pins: dict[int, int] = {}  # block -> uncommitted copies reading it (kept from reuse)
+        self.lent: dict[
+            int, int
+        ] = {}  # seq_id -> leading blocks of its table lent by a sibling, not yet joined
         self.stats = BlockStats()
 
-    def num_free_blocks(self) -> int: return len(self.free_ids) + len(self.evictable)
-    def usage(self) -> float: return 1 - self.num_free_blocks() / self.num_blocks
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    def usage(self) -> float:
+        return 1 - self.num_free_blocks() / self.num_blocks
+
 
 # %% ../nbs/01_block_allocator.ipynb #31d53e17
 def _take(self: BlockManager) -> int:
     "A block with ref count 1 from the free list, else by evicting the least recently used cached block."
-    if self.free_ids: b = self.free_ids.popleft()
+    if self.free_ids:
+        b = self.free_ids.popleft()
     else:
         b, _ = self.evictable.popitem(last=False)
         blk = self.blocks[b]
@@ -83,45 +113,70 @@ def _take(self: BlockManager) -> int:
     self.stats.blocks_allocated += 1
     return b
 
+
 def _release(self: BlockManager, b: int):
     "Drop one reference to block `b`; at zero (and unpinned) it becomes evictable if cached, else free."
     blk = self.blocks[b]
     blk.ref_count -= 1
-    if not blk.ref_count and b not in self.pins: self._to_pool(b)
+    if not blk.ref_count and b not in self.pins:
+        self._to_pool(b)
+
 
 def _to_pool(self: BlockManager, b: int):
     "Block `b`, held by no one: evictable if cached, else free."
-    if self.blocks[b].hash is None: self.free_ids.append(b)
-    else: self.evictable[b] = None
+    if self.blocks[b].hash is None:
+        self.free_ids.append(b)
+    else:
+        self.evictable[b] = None
+
 
 def _unpin(self: BlockManager, seq_id: int):
     "Forget `seq_id`'s uncommitted copies; a source block no one holds any more goes back to the pool."
     for src, _ in self.cow_pending.pop(seq_id, ()):
         self.pins[src] -= 1
-        if self.pins[src]: continue
+        if self.pins[src]:
+            continue
         del self.pins[src]
-        if not self.blocks[src].ref_count: self._to_pool(src)
+        if not self.blocks[src].ref_count:
+            self._to_pool(src)
 
-BlockManager._take, BlockManager._release, BlockManager._to_pool, BlockManager._unpin = _take, _release, _to_pool, _unpin
+
+BlockManager._take, BlockManager._release, BlockManager._to_pool, BlockManager._unpin = (
+    _take,
+    _release,
+    _to_pool,
+    _unpin,
+)
+
 
 # %% ../nbs/01_block_allocator.ipynb #aee9a244
 def _hashes(self: BlockManager, seq: Sequence, n_full: int) -> list[bytes]:
     "`seq.block_hashes`, extended to its first `n_full` full blocks (the chain depends on the tokens alone)."
     hashes, bs, toks = seq.block_hashes, self.block_size, seq.token_ids
-    del hashes[len(toks) // bs:]                    # in case tokens were dropped since
-    for i in range(len(hashes), n_full): hashes.append(hash_block(hashes[-1] if hashes else b"", toks[i * bs:(i + 1) * bs]))
+    del hashes[len(toks) // bs :]  # in case tokens were dropped since
+    for i in range(len(hashes), n_full):
+        hashes.append(hash_block(hashes[-1] if hashes else b"", toks[i * bs : (i + 1) * bs]))
     return hashes
+
 
 def _prefix_hits(self: BlockManager, seq: Sequence) -> list[int]:
     "Blocks of the longest cached prefix of full blocks, never the block holding the last token."
-    if not self.enable_prefix_caching: return []
-    bs, toks, ids, n = self.block_size, seq.token_ids, [], (len(seq.token_ids) - 1) // self.block_size
+    if not self.enable_prefix_caching:
+        return []
+    bs, toks, ids, n = (
+        self.block_size,
+        seq.token_ids,
+        [],
+        (len(seq.token_ids) - 1) // self.block_size,
+    )
     hashes = self._hashes(seq, n)
     for i in range(n):
         b = self.cached.get(hashes[i])
-        if b is None or self.blocks[b].token_ids != tuple(toks[i * bs:(i + 1) * bs]): break
+        if b is None or self.blocks[b].token_ids != tuple(toks[i * bs : (i + 1) * bs]):
+            break
         ids.append(b)
     return ids
+
 
 def blocks_needed(self: BlockManager, seq: Sequence) -> int:
     "How far `allocate(seq)` would lower `num_free_blocks()`: new blocks plus cached blocks it revives."
@@ -129,79 +184,128 @@ def blocks_needed(self: BlockManager, seq: Sequence) -> int:
     n_new = -(-len(seq.token_ids) // self.block_size) - len(ids)
     return n_new + sum(self.blocks[b].ref_count == 0 for b in ids)
 
-def can_allocate(self: BlockManager, seq: Sequence) -> bool: return self.blocks_needed(seq) <= self.num_free_blocks()
 
-BlockManager._hashes, BlockManager._prefix_hits, BlockManager.blocks_needed, BlockManager.can_allocate = _hashes, _prefix_hits, blocks_needed, can_allocate
+def can_allocate(self: BlockManager, seq: Sequence) -> bool:
+    return self.blocks_needed(seq) <= self.num_free_blocks()
+
+
+(
+    BlockManager._hashes,
+    BlockManager._prefix_hits,
+    BlockManager.blocks_needed,
+    BlockManager.can_allocate,
+) = _hashes, _prefix_hits, blocks_needed, can_allocate
+
 
 # %% ../nbs/01_block_allocator.ipynb #7234cda4
 def allocate(self: BlockManager, seq: Sequence):
     "Give `seq` blocks for all its tokens, reusing its longest cached prefix; sets num_computed/num_cached tokens."
-    if seq.block_table or seq.seq_id in self.seqs: raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+    if seq.block_table or seq.seq_id in self.seqs:
+        raise ValueError(f"sequence {seq.seq_id} already holds blocks")
     ids = self._prefix_hits(seq)
     n_new = -(-len(seq.token_ids) // self.block_size) - len(ids)
     need = n_new + sum(self.blocks[b].ref_count == 0 for b in ids)
     if need > self.num_free_blocks():
-        raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {need} blocks ({n_new} new), {self.num_free_blocks()} free")
+        raise NoFreeBlocksError(
+            f"sequence {seq.seq_id} needs {need} blocks ({n_new} new), {self.num_free_blocks()} free"
+        )
     for b in ids:
-        if self.blocks[b].ref_count == 0: del self.evictable[b]
+        if self.blocks[b].ref_count == 0:
+            del self.evictable[b]
         self.blocks[b].ref_count += 1
     seq.block_table = ids + [self._take() for _ in range(n_new)]
     seq.num_computed_tokens = seq.num_cached_tokens = len(ids) * self.block_size
     self.seqs[seq.seq_id] = seq
     s = self.stats
-    s.allocations += 1; s.cache_hits += len(ids); s.cached_tokens += seq.num_cached_tokens
-    if self.enable_prefix_caching: s.cache_queries += (len(seq.token_ids) - 1) // self.block_size
+    s.allocations += 1
+    s.cache_hits += len(ids)
+    s.cached_tokens += seq.num_cached_tokens
+    if self.enable_prefix_caching:
+        s.cache_queries += (len(seq.token_ids) - 1) // self.block_size
+
 
 BlockManager.allocate = allocate
+
 
 # %% ../nbs/01_block_allocator.ipynb #6bbc5c61
 def _blocks_to_take(self: BlockManager, seq: Sequence, n: int) -> int:
     "Blocks `append_slots(seq, n)` takes from the pool: new tail blocks plus copy-on-write copies."
     c, t, bs = seq.num_computed_tokens, seq.block_table, self.block_size
     if n < 1 or c + n > len(seq.token_ids):
-        raise ValueError(f"n must be in [1, {len(seq.token_ids) - c}] for sequence {seq.seq_id}, got {n}")
+        raise ValueError(
+            f"n must be in [1, {len(seq.token_ids) - c}] for sequence {seq.seq_id}, got {n}"
+        )
     last = (c + n - 1) // bs
     need = last + 1 - len(t) if last >= len(t) else 0
-    for i in range(c // bs, min(last + 1, len(t))):   # a shared block we write must be copied first
-        if self.blocks[t[i]].ref_count > 1: need += 1
+    for i in range(c // bs, min(last + 1, len(t))):  # a shared block we write must be copied first
+        if self.blocks[t[i]].ref_count > 1:
+            need += 1
     return need
+
 
 def can_append(self: BlockManager, seq: Sequence, n: int = 1) -> bool:
     "Whether `append_slots(seq, n)` would find the blocks it needs."
     return self._blocks_to_take(seq, n) <= len(self.free_ids) + len(self.evictable)
 
-def append_slots(self: BlockManager, seq: Sequence, n: int = 1) -> tuple[list[int], list[tuple[int, int]]]:
+
+def append_slots(
+    self: BlockManager, seq: Sequence, n: int = 1
+) -> tuple[list[int], list[tuple[int, int]]]:
     "Cache slots of positions [computed, computed + n) and the (src, dst) block copies to do first; publishes nothing."
-    if seq.seq_id not in self.seqs: raise KeyError(f"sequence {seq.seq_id} holds no blocks; allocate it first")
+    if seq.seq_id not in self.seqs:
+        raise KeyError(f"sequence {seq.seq_id} holds no blocks; allocate it first")
     need = self._blocks_to_take(seq, n)
     copies, bs, c, t = [], self.block_size, seq.num_computed_tokens, seq.block_table
     if need:
         if need > self.num_free_blocks():
-            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {need} blocks to append {n} tokens, {self.num_free_blocks()} free")
+            raise NoFreeBlocksError(
+                f"sequence {seq.seq_id} needs {need} blocks to append {n} tokens, {self.num_free_blocks()} free"
+            )
         last = (c + n - 1) // bs
-        for i in range(c // bs, min(last + 1, len(t))):   # copy-on-write; the source stays pinned until commit
+        for i in range(
+            c // bs, min(last + 1, len(t))
+        ):  # copy-on-write; the source stays pinned until commit
             if self.blocks[t[i]].ref_count > 1:
-                src, dst = t[i], self._take(); copies.append((src, dst))
-                self.pins[src] = self.pins.get(src, 0) + 1; self._release(src); t[i] = dst
-        while len(t) <= last: t.append(self._take())
+                src, dst = t[i], self._take()
+                copies.append((src, dst))
+                self.pins[src] = self.pins.get(src, 0) + 1
+                self._release(src)
+                t[i] = dst
+        while len(t) <= last:
+            t.append(self._take())
         self.stats.cow_copies += len(copies)
-        if copies: self.cow_pending.setdefault(seq.seq_id, []).extend(copies)
-    if seq.seq_id in self.cow_pending: copies = list(self.cow_pending[seq.seq_id])   # a retried step copies again
-    if n == 1: return [t[c // bs] * bs + c % bs], copies
+        if copies:
+            self.cow_pending.setdefault(seq.seq_id, []).extend(copies)
+    if seq.seq_id in self.cow_pending:
+        copies = list(self.cow_pending[seq.seq_id])  # a retried step copies again
+    if n == 1:
+        return [t[c // bs] * bs + c % bs], copies
     return [t[p // bs] * bs + p % bs for p in range(c, c + n)], copies
 
-BlockManager._blocks_to_take, BlockManager.can_append, BlockManager.append_slots = _blocks_to_take, can_append, append_slots
+
+BlockManager._blocks_to_take, BlockManager.can_append, BlockManager.append_slots = (
+    _blocks_to_take,
+    can_append,
+    append_slots,
+)
+
 
 # %% ../nbs/01_block_allocator.ipynb #e4f226cd
 def commit(self: BlockManager, seq: Sequence, n: int):
     "The step that computed positions [computed, computed + n) of `seq` completed: advance it, publish the blocks it filled."
     c, bs = seq.num_computed_tokens, self.block_size
-    if seq.seq_id not in self.seqs: raise KeyError(f"sequence {seq.seq_id} holds no blocks (unknown or already freed)")
+    if seq.seq_id not in self.seqs:
+        raise KeyError(f"sequence {seq.seq_id} holds no blocks (unknown or already freed)")
     if n < 1 or c + n > len(seq.token_ids) or (c + n - 1) // bs >= len(seq.block_table):
-        raise ValueError(f"n must be in [1, {len(seq.token_ids) - c}] and have slots (append_slots) for sequence {seq.seq_id}, got {n}")
+        raise ValueError(
+            f"n must be in [1, {len(seq.token_ids) - c}] and have slots (append_slots) for sequence {seq.seq_id}, got {n}"
+        )
     seq.num_computed_tokens = c + n
-    if self.cow_pending: self._unpin(seq.seq_id)              # its copies are done: their sources may be reused
-    if self.enable_prefix_caching and (c + n) // bs > c // bs: self._publish(seq, c // bs, (c + n) // bs)
+    if self.cow_pending:
+        self._unpin(seq.seq_id)  # its copies are done: their sources may be reused
+    if self.enable_prefix_caching and (c + n) // bs > c // bs:
+        self._publish(seq, c // bs, (c + n) // bs)
+
 
 def _publish(self: BlockManager, seq: Sequence, first: int, end: int):
     "Enter full blocks `first..end-1` of `seq` (just computed) in the prefix cache; the first to commit a hash wins."
@@ -209,88 +313,147 @@ def _publish(self: BlockManager, seq: Sequence, first: int, end: int):
     for i in range(first, end):
         blk = self.blocks[seq.block_table[i]]
         if hashes[i] not in self.cached and blk.hash is None:
-            blk.hash, blk.token_ids = hashes[i], tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            blk.hash, blk.token_ids = (
+                hashes[i],
+                tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]),
+            )
             self.cached[blk.hash] = blk.block_id
 
+
 BlockManager.commit, BlockManager._publish = commit, _publish
+
 
 # %% ../nbs/01_block_allocator.ipynb #2f56a905
 def free(self: BlockManager, seq: Sequence):
     "Release `seq`'s blocks, last block first so an LRU eviction takes prefix tails before heads."
     if self.seqs.pop(seq.seq_id, None) is None:
         raise KeyError(f"sequence {seq.seq_id} holds no blocks (unknown or already freed)")
-    if self.cow_pending: self._unpin(seq.seq_id)
-    k = self.lent.pop(seq.seq_id, 0) if self.lent else 0     # blocks lent by a sibling are not its to release
-    for b in reversed(seq.block_table[k:]): self._release(b)
+    if self.cow_pending:
+        self._unpin(seq.seq_id)
+    k = (
+        self.lent.pop(seq.seq_id, 0) if self.lent else 0
+    )  # blocks lent by a sibling are not its to release
+    for b in reversed(seq.block_table[k:]):
+        self._release(b)
     seq.block_table = []
 
+
 BlockManager.free = free
+
 
 # %% ../nbs/01_block_allocator.ipynb #5a4c3a4e
 def fork(self: BlockManager, parent: Sequence, child: Sequence):
     "`child` shares all of `parent`'s blocks (ref counts + 1); whoever writes a shared block copies it first."
-    if parent.seq_id not in self.seqs: raise KeyError(f"sequence {parent.seq_id} holds no blocks; cannot fork it")
-    if parent.seq_id in self.cow_pending: raise ValueError(f"sequence {parent.seq_id} has copies not yet committed; commit its step before forking it")
-    if child.block_table or child.seq_id in self.seqs: raise ValueError(f"sequence {child.seq_id} already holds blocks")
-    for b in parent.block_table: self.blocks[b].ref_count += 1
+    if parent.seq_id not in self.seqs:
+        raise KeyError(f"sequence {parent.seq_id} holds no blocks; cannot fork it")
+    if parent.seq_id in self.cow_pending:
+        raise ValueError(
+            f"sequence {parent.seq_id} has copies not yet committed; commit its step before forking it"
+        )
+    if child.block_table or child.seq_id in self.seqs:
+        raise ValueError(f"sequence {child.seq_id} already holds blocks")
+    for b in parent.block_table:
+        self.blocks[b].ref_count += 1
     child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
     self.seqs[child.seq_id] = child
 
+
 BlockManager.fork = fork
 
+
 # %% ../nbs/01_block_allocator.ipynb #8fd4cb65
-def append_decode_slots(self: BlockManager, seqs: list[Sequence]) -> tuple[list[int], list[tuple[int, int]]]:
+def append_decode_slots(
+    self: BlockManager, seqs: list[Sequence]
+) -> tuple[list[int], list[tuple[int, int]]]:
     "`append_slots(seq, 1)` for every sequence in one call, all or none: the slots in `seqs` order, and the copies."
     bs, blocks, slots, slow, pending = self.block_size, self.blocks, [], [], self.cow_pending
-    for j, s in enumerate(seqs):                # fast path: the next slot lies in a block this sequence owns alone
+    for j, s in enumerate(
+        seqs
+    ):  # fast path: the next slot lies in a block this sequence owns alone
         c, t = s.num_computed_tokens, s.block_table
         i = c // bs
-        if i < len(t) and c < len(s.token_ids) and blocks[t[i]].ref_count == 1 and not (pending and s.seq_id in pending):
+        if (
+            i < len(t)
+            and c < len(s.token_ids)
+            and blocks[t[i]].ref_count == 1
+            and not (pending and s.seq_id in pending)
+        ):
             slots.append(t[i] * bs + c % bs)
-        else: slots.append(-1); slow.append(j)
-    if slow:                                    # a new block or a copy-on-write: check the whole batch first
+        else:
+            slots.append(-1)
+            slow.append(j)
+    if slow:  # a new block or a copy-on-write: check the whole batch first
         for j in slow:
-            if seqs[j].seq_id not in self.seqs: raise KeyError(f"sequence {seqs[j].seq_id} holds no blocks; allocate it first")
+            if seqs[j].seq_id not in self.seqs:
+                raise KeyError(f"sequence {seqs[j].seq_id} holds no blocks; allocate it first")
         need = sum(self._blocks_to_take(seqs[j], 1) for j in slow)
-        if need > self.num_free_blocks(): raise NoFreeBlocksError(f"{len(slow)} decodes need {need} blocks, {self.num_free_blocks()} free")
+        if need > self.num_free_blocks():
+            raise NoFreeBlocksError(
+                f"{len(slow)} decodes need {need} blocks, {self.num_free_blocks()} free"
+            )
     copies = []
     for j in slow:
-        s = seqs[j]; c, t = s.num_computed_tokens, s.block_table
-        if c // bs == len(t) and bs > 1: t.append(self._take()); slots[j] = t[-1] * bs   # first slot of a new block
-        else: sl, cp = self.append_slots(s, 1); slots[j] = sl[0]; copies += cp
+        s = seqs[j]
+        c, t = s.num_computed_tokens, s.block_table
+        if c // bs == len(t) and bs > 1:
+            t.append(self._take())
+            slots[j] = t[-1] * bs  # first slot of a new block
+        else:
+            sl, cp = self.append_slots(s, 1)
+            slots[j] = sl[0]
+            copies += cp
     return slots, copies
+
 
 def commit_decodes(self: BlockManager, seqs: list[Sequence]):
     "`commit(seq, 1)` for every sequence of a decode batch in one call (no argument checks: the scheduler's fast path)."
     bs, pending, caching = self.block_size, self.cow_pending, self.enable_prefix_caching
     for s in seqs:
         c = s.num_computed_tokens = s.num_computed_tokens + 1
-        if pending and s.seq_id in pending: self._unpin(s.seq_id)
-        if caching and c % bs == 0: self._publish(s, c // bs - 1, c // bs)
+        if pending and s.seq_id in pending:
+            self._unpin(s.seq_id)
+        if caching and c % bs == 0:
+            self._publish(s, c // bs - 1, c // bs)
+
 
 BlockManager.append_decode_slots, BlockManager.commit_decodes = append_decode_slots, commit_decodes
 
+
 # %% ../nbs/01_block_allocator.ipynb #439a1cd0
-def allocate_sibling(self: BlockManager,
-                     seq: Sequence, # a sequence with an empty block table
-                     leader: Sequence, # an allocated sequence with the same first `k` blocks of tokens
-                     k: int): # leading blocks to share, once the leader has computed them
+def allocate_sibling(
+    self: BlockManager,
+    seq: Sequence,  # a sequence with an empty block table
+    leader: Sequence,  # an allocated sequence with the same first `k` blocks of tokens
+    k: int,
+):  # leading blocks to share, once the leader has computed them
     "Give `seq` fresh blocks after its first `k`, which are `leader`'s and become `seq`'s at `join_sibling` (nothing computed yet)."
-    if seq.block_table or seq.seq_id in self.seqs: raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+    if seq.block_table or seq.seq_id in self.seqs:
+        raise ValueError(f"sequence {seq.seq_id} already holds blocks")
     bs = self.block_size
-    if not (0 <= k <= min(len(leader.block_table), (len(seq.token_ids) - 1) // bs)) or seq.token_ids[:k * bs] != leader.token_ids[:k * bs]:
-        raise ValueError(f"k must count leading full blocks sequences {seq.seq_id} and {leader.seq_id} share, got {k}")
+    if (
+        not (0 <= k <= min(len(leader.block_table), (len(seq.token_ids) - 1) // bs))
+        or seq.token_ids[: k * bs] != leader.token_ids[: k * bs]
+    ):
+        raise ValueError(
+            f"k must count leading full blocks sequences {seq.seq_id} and {leader.seq_id} share, got {k}"
+        )
     n_new = -(-len(seq.token_ids) // bs) - k
-    if n_new > self.num_free_blocks(): raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {n_new} blocks, {self.num_free_blocks()} free")
+    if n_new > self.num_free_blocks():
+        raise NoFreeBlocksError(
+            f"sequence {seq.seq_id} needs {n_new} blocks, {self.num_free_blocks()} free"
+        )
     seq.block_table = leader.block_table[:k] + [self._take() for _ in range(n_new)]
     seq.num_computed_tokens = seq.num_cached_tokens = 0
     self.seqs[seq.seq_id], self.lent[seq.seq_id] = seq, k
     self.stats.allocations += 1
 
+
 def join_sibling(self: BlockManager, seq: Sequence):
     "The leader has computed the lent blocks: `seq` takes references to them and continues after them."
     k = self.lent.pop(seq.seq_id)
-    for b in seq.block_table[:k]: self.blocks[b].ref_count += 1
+    for b in seq.block_table[:k]:
+        self.blocks[b].ref_count += 1
     seq.num_computed_tokens = k * self.block_size
+
 
 BlockManager.allocate_sibling, BlockManager.join_sibling = allocate_sibling, join_sibling

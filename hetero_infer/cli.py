@@ -4,170 +4,475 @@
 
 # %% ../nbs/10_cli.ipynb #5e962494
 from __future__ import annotations
-import argparse, importlib.util, json, os, socket, sys
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import sys
 from dataclasses import fields, MISSING
 from pathlib import Path
 
-from .core import EngineConfig, SamplingParams, ServingConfig, DTYPES, DEVICES, ATTENTION_BACKENDS, HPI_KEYS, SPECULATIVE_METHODS, is_hpi_format
+from hetero_infer.core import (
+    EngineConfig,
+    SamplingParams,
+    ServingConfig,
+    DTYPES,
+    DEVICES,
+    ATTENTION_BACKENDS,
+    HPI_KEYS,
+    SPECULATIVE_METHODS,
+    is_hpi_format,
+)
 
 # %% auto #0
-__all__ = ['ENGINE_FLAGS', 'COMMANDS', 'seed_argv', 'UsageError', 'build_parser', 'hpi_argv', 'check_model_dir', 'check_device',
-           'usage_error', 'read_config', 'engine_config', 'cmd_generate', 'cmd_demo', 'serve_options', 'cmd_serve',
-           'main']
+__all__ = [
+    "ENGINE_FLAGS",
+    "COMMANDS",
+    "seed_argv",
+    "UsageError",
+    "build_parser",
+    "hpi_argv",
+    "check_model_dir",
+    "check_device",
+    "usage_error",
+    "read_config",
+    "engine_config",
+    "cmd_generate",
+    "cmd_demo",
+    "serve_options",
+    "cmd_serve",
+    "main",
+]
+
 
 # %% ../nbs/10_cli.ipynb #513ced10
 class UsageError(ValueError):
     "A bad command-line input: reported as `hetero-infer: error: <flag>: <message>`, exit status 2."
-    def __init__(self, flag: str, message: str): super().__init__(f"{flag}: {message}"); self.flag = flag
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
 
 class _Parser(argparse.ArgumentParser):
     "argparse, with its errors in our one format."
+
     def error(self, message):
         self.print_usage(sys.stderr)
         self.exit(2, f"hetero-infer: error: {message}\n")
 
+
 # field: (flags, type, choices, help); the first flag is ours, the others hetero-paged-infer's spellings
 ENGINE_FLAGS = {
-    "model": (["--model"], str, None, "local Hugging Face checkpoint directory (default: the shipped demo model)"),
+    "model": (
+        ["--model"],
+        str,
+        None,
+        "local Hugging Face checkpoint directory (default: the shipped demo model)",
+    ),
     "tokenizer": (["--tokenizer"], str, None, "tokenizer directory (default: the model's own)"),
-    "dtype": (["--dtype"], str, DTYPES + ("half", "float"), "weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU"),
+    "dtype": (
+        ["--dtype"],
+        str,
+        DTYPES + ("half", "float"),
+        "weights and activations dtype; auto = checkpoint dtype on GPU, float32 on CPU",
+    ),
     "device": (["--device"], str, None, "auto, cpu, cuda or cuda:N; auto = cuda when available"),
-    "attention_backend": (["--attention-backend"], str, ATTENTION_BACKENDS, "attention implementation; auto = triton on CUDA, torch on CPU"),
+    "attention_backend": (
+        ["--attention-backend"],
+        str,
+        ATTENTION_BACKENDS,
+        "attention implementation; auto = triton on CUDA, torch on CPU",
+    ),
     "block_size": (["--block-size"], int, None, "tokens per KV-cache block (a power of two)"),
-    "num_blocks": (["--num-blocks", "--max-num-blocks"], int, None, "KV-cache blocks; default: sized from free memory"),
-    "gpu_memory_utilization": (["--gpu-memory-utilization"], float, None, "share of GPU memory for weights + KV cache"),
-    "memory_threshold": (["--memory-threshold"], float, None, "no new prefill once KV-cache usage would pass this share"),
-    "max_num_seqs": (["--max-num-seqs", "--max-batch-size"], int, None, "most sequences in one step"),
-    "max_admitted_seqs": (["--max-admitted-seqs"], int, None, "most sequences admitted at all (running + waiting); the server answers 503 past it; default: no bound"),
-    "max_num_batched_tokens": (["--max-num-batched-tokens", "--max-total-tokens"], int, None, "token budget of one step"),
-    "max_model_len": (["--max-model-len"], int, None, "longest prompt + output; default: the model's limit"),
-    "enable_prefix_caching": (["--enable-prefix-caching"], bool, None, "reuse KV blocks of identical prompt prefixes"),
-    "enable_chunked_prefill": (["--enable-chunked-prefill"], bool, None, "split long prompts across steps"),
-    "max_retry_attempts": (["--max-retry-attempts"], int, None, "retries of a request whose step raised, before it ends with an error"),
+    "num_blocks": (
+        ["--num-blocks", "--max-num-blocks"],
+        int,
+        None,
+        "KV-cache blocks; default: sized from free memory",
+    ),
+    "gpu_memory_utilization": (
+        ["--gpu-memory-utilization"],
+        float,
+        None,
+        "share of GPU memory for weights + KV cache",
+    ),
+    "memory_threshold": (
+        ["--memory-threshold"],
+        float,
+        None,
+        "no new prefill once KV-cache usage would pass this share",
+    ),
+    "max_num_seqs": (
+        ["--max-num-seqs", "--max-batch-size"],
+        int,
+        None,
+        "most sequences in one step",
+    ),
+    "max_admitted_seqs": (
+        ["--max-admitted-seqs"],
+        int,
+        None,
+        "most sequences admitted at all (running + waiting); the server answers 503 past it; default: no bound",
+    ),
+    "max_num_batched_tokens": (
+        ["--max-num-batched-tokens", "--max-total-tokens"],
+        int,
+        None,
+        "token budget of one step",
+    ),
+    "max_model_len": (
+        ["--max-model-len"],
+        int,
+        None,
+        "longest prompt + output; default: the model's limit",
+    ),
+    "enable_prefix_caching": (
+        ["--enable-prefix-caching"],
+        bool,
+        None,
+        "reuse KV blocks of identical prompt prefixes",
+    ),
+    "enable_chunked_prefill": (
+        ["--enable-chunked-prefill"],
+        bool,
+        None,
+        "split long prompts across steps",
+    ),
+    "max_retry_attempts": (
+        ["--max-retry-attempts"],
+        int,
+        None,
+        "retries of a request whose step raised, before it ends with an error",
+    ),
     "seed": (["--engine-seed"], int, None, "seed of the engine's default generator"),
-    "tensor_parallel_size": (["--tensor-parallel-size", "-tp"], int, None, "processes one model is split across (tensor parallelism, 13_tensor_parallel)"),
-    "speculative_method": (["--speculative-method"], str, SPECULATIVE_METHODS, "speculative decoding: ngram (prompt lookup) or draft (a smaller model); 12_speculative_decoding (default: off)"),
-    "num_speculative_tokens": (["--num-speculative-tokens"], int, None, "tokens proposed per sequence per step when speculating"),
-    "speculative_model": (["--speculative-model"], str, None, "draft checkpoint directory for --speculative-method draft (default: none)"),
-    "prompt_lookup_min": (["--prompt-lookup-min"], int, None, "shortest n-gram --speculative-method ngram matches"),
-    "prompt_lookup_max": (["--prompt-lookup-max"], int, None, "longest n-gram --speculative-method ngram tries first"),
+    "tensor_parallel_size": (
+        ["--tensor-parallel-size", "-tp"],
+        int,
+        None,
+        "processes one model is split across (tensor parallelism, 13_tensor_parallel)",
+    ),
+    "speculative_method": (
+        ["--speculative-method"],
+        str,
+        SPECULATIVE_METHODS,
+        "speculative decoding: ngram (prompt lookup) or draft (a smaller model); 12_speculative_decoding (default: off)",
+    ),
+    "num_speculative_tokens": (
+        ["--num-speculative-tokens"],
+        int,
+        None,
+        "tokens proposed per sequence per step when speculating",
+    ),
+    "speculative_model": (
+        ["--speculative-model"],
+        str,
+        None,
+        "draft checkpoint directory for --speculative-method draft (default: none)",
+    ),
+    "prompt_lookup_min": (
+        ["--prompt-lookup-min"],
+        int,
+        None,
+        "shortest n-gram --speculative-method ngram matches",
+    ),
+    "prompt_lookup_max": (
+        ["--prompt-lookup-max"],
+        int,
+        None,
+        "longest n-gram --speculative-method ngram tries first",
+    ),
 }
+
 
 def _default(name: str):
     f = {f.name: f for f in fields(EngineConfig)}[name]
     return f.default if f.default is not MISSING else f.default_factory()
 
+
 def _engine_args(p: argparse.ArgumentParser):
     "Add a flag for every `EngineConfig` field in `ENGINE_FLAGS`, plus `--config`."
     have = {f.name for f in fields(EngineConfig)}
     for name, (flags, typ, choices, help) in ENGINE_FLAGS.items():
-        if name not in have: continue
+        if name not in have:
+            continue
         d = _default(name)
         shown = "the shipped demo model" if name == "model" else d
         text = help if "default:" in help else f"{help} (default: {shown})"
-        if typ is bool: p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else: p.add_argument(*flags, dest=name, type=typ, choices=choices, default=None, metavar=None if choices else name.upper(), help=text)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
-    p.add_argument("--config", default=None, metavar="FILE",
-                   help="JSON engine config, in our keys or hetero-paged-infer's; flags given here override it (default: none)")
+        if typ is bool:
+            p.add_argument(
+                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+        else:
+            p.add_argument(
+                *flags,
+                dest=name,
+                type=typ,
+                choices=choices,
+                default=None,
+                metavar=None if choices else name.upper(),
+                help=text,
+            )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="JSON engine config, in our keys or hetero-paged-infer's; flags given here override it (default: none)",
+    )
+
 
 # %% ../nbs/10_cli.ipynb #9e564c77
 def _sampling_args(p, defaults: bool):
     "`--max-tokens`, `--temperature`, `--top-p` (generate: their values; serve: defaults for requests that leave them out)."
     d = (lambda v: v) if defaults else (lambda v: None)
     what = "" if defaults else " for requests that do not set it"
-    p.add_argument("--max-tokens", type=int, default=d(64), help=f"most tokens to generate{what} (default: {64 if defaults else 'OpenAI default: 16 for completions, up to max_model_len for chat'})")
-    p.add_argument("--temperature", type=float, default=d(0.0), help=f"sampling temperature, 0 = greedy{what} (default: {0.0 if defaults else 1.0})")
-    p.add_argument("--top-p", type=float, default=d(1.0), help=f"nucleus sampling mass in (0, 1]{what} (default: 1.0)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=d(64),
+        help=f"most tokens to generate{what} (default: {64 if defaults else 'OpenAI default: 16 for completions, up to max_model_len for chat'})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=d(0.0),
+        help=f"sampling temperature, 0 = greedy{what} (default: {0.0 if defaults else 1.0})",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=d(1.0),
+        help=f"nucleus sampling mass in (0, 1]{what} (default: 1.0)",
+    )
+
 
 def _add_generate(sub):
-    g = sub.add_parser("generate", help="complete prompts and print the results", description="Complete prompts with the engine and print them.")
-    g.add_argument("prompts", nargs="*", help="prompts (read one per line from stdin when none are given)")
-    g.add_argument("--input", action="append", default=[], metavar="TEXT", help="a prompt (hetero-paged-infer's spelling; may repeat) (default: none)")
-    _engine_args(g); _sampling_args(g, True)
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all (default: 0)")
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    g = sub.add_parser(
+        "generate",
+        help="complete prompts and print the results",
+        description="Complete prompts with the engine and print them.",
+    )
+    g.add_argument(
+        "prompts", nargs="*", help="prompts (read one per line from stdin when none are given)"
+    )
+    g.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt (hetero-paged-infer's spelling; may repeat) (default: none)",
+    )
+    _engine_args(g)
+    _sampling_args(g, True)
+    g.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all (default: 0)"
+    )
+    g.add_argument(
+        "--seed", type=int, default=None, help="per-request sampling seed (default: none)"
+    )
     g.add_argument("--n", type=int, default=1, help="completions per prompt (default: 1)")
-    g.add_argument("--stop", action="append", default=None, help="a stop string (may repeat; default: none)")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn through the chat template (the demo model needs it) (default: off)")
-    g.add_argument("--json", action="store_true", help="print one JSON object per prompt (default: off)")
+    g.add_argument(
+        "--stop", action="append", default=None, help="a stop string (may repeat; default: none)"
+    )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user turn through the chat template (the demo model needs it) (default: off)",
+    )
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt (default: off)"
+    )
+
 
 def _add_serve(sub):
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
-                       "/healthz, /readyz and /metrics. SIGTERM or Ctrl-C drains: running requests finish (or are aborted after --shutdown-timeout) and the process exits 0.")
-    s.add_argument("--host", default=None, help="address to listen on (default: serving.host of --config, else 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="port to listen on (default: serving.port of --config, else 3000)")
-    s.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
-                   help="the model name clients send (default: serving.model_name of --config, else hetero-infer)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $HETERO_INFER_API_KEY, else none)")
-    _engine_args(s); _sampling_args(s, False)
-    s.add_argument("--max-queued-requests", type=int, default=None,
-                   help=f"sequences allowed to wait for admission; past it the server answers 503 (default: {ServingConfig().max_queued_requests})")
-    s.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted with 504 (default: no limit)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default: 1048576)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may take before they are aborted (default: 30)")
-    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn log level (default: info)")
+    s = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
+        "/healthz, /readyz and /metrics. SIGTERM or Ctrl-C drains: running requests finish (or are aborted after --shutdown-timeout) and the process exits 0.",
+    )
+    s.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on (default: serving.host of --config, else 127.0.0.1)",
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port to listen on (default: serving.port of --config, else 3000)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="served_model_name",
+        default=None,
+        help="the model name clients send (default: serving.model_name of --config, else hetero-infer)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $HETERO_INFER_API_KEY, else none)",
+    )
+    _engine_args(s)
+    _sampling_args(s, False)
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help=f"sequences allowed to wait for admission; past it the server answers 503 (default: {ServingConfig().max_queued_requests})",
+    )
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds before a request is aborted with 504 (default: no limit)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="larger request bodies get 413 (default: 1048576)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take before they are aborted (default: 30)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn log level (default: info)",
+    )
+
 
 # %% ../nbs/10_cli.ipynb #bc8ffefa
 COMMANDS = ("generate", "serve", "demo", "bench")
 
+
 def build_parser() -> argparse.ArgumentParser:
     "The `hetero-infer` argument parser."
-    ap = _Parser(prog="hetero-infer", description="hetero_infer: a literate LLM inference engine",
-                 epilog="hetero-paged-infer's forms also work: `hetero-infer --serve [flags]` is `serve`, `hetero-infer --input TEXT [flags]` is `generate`.")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,serve,demo" + (",bench}" if _has_bench() else "}"))
-    _add_generate(sub); _add_serve(sub)
-    d = sub.add_parser("demo", help="run the demo job on the shipped demo model", description="Answer held-out questions with the shipped demo model.")
-    d.add_argument("--num-prompts", type=int, default=32, help="held-out questions to answer (default: 32)")
-    d.add_argument("--seed", type=int, default=1234, help="which held-out questions (default: 1234)")
+    ap = _Parser(
+        prog="hetero-infer",
+        description="hetero_infer: a literate LLM inference engine",
+        epilog="hetero-paged-infer's forms also work: `hetero-infer --serve [flags]` is `serve`, `hetero-infer --input TEXT [flags]` is `generate`.",
+    )
+    sub = ap.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="{generate,serve,demo" + (",bench}" if _has_bench() else "}"),
+    )
+    _add_generate(sub)
+    _add_serve(sub)
+    d = sub.add_parser(
+        "demo",
+        help="run the demo job on the shipped demo model",
+        description="Answer held-out questions with the shipped demo model.",
+    )
+    d.add_argument(
+        "--num-prompts", type=int, default=32, help="held-out questions to answer (default: 32)"
+    )
+    d.add_argument(
+        "--seed", type=int, default=1234, help="which held-out questions (default: 1234)"
+    )
     if _has_bench():
         from hetero_infer.bench import add_bench_arguments
-        add_bench_arguments(sub.add_parser("bench", help="offline and online benchmarks", description="Benchmarks: `bench offline`, `bench serve`."))
+
+        add_bench_arguments(
+            sub.add_parser(
+                "bench",
+                help="offline and online benchmarks",
+                description="Benchmarks: `bench offline`, `bench serve`.",
+            )
+        )
     return ap
+
 
 def _has_bench() -> bool:
     "Whether the benchmarks module (notebook 11) is installed and provides the `bench` sub-command."
-    if importlib.util.find_spec("hetero_infer.bench") is None: return False
-    try: from hetero_infer.bench import add_bench_arguments, bench_command
-    except ImportError: return False
+    if importlib.util.find_spec("hetero_infer.bench") is None:
+        return False
+    try:
+        from hetero_infer.bench import add_bench_arguments, bench_command
+    except ImportError:
+        return False
     return True
+
 
 def hpi_argv(argv: list[str]) -> list[str]:
     "hetero-paged-infer's command forms as ours: `--serve ...` -> `serve ...`, `--input TEXT ...` -> `generate --input TEXT ...`."
-    if argv and argv[0] in COMMANDS: return argv
-    if "--serve" in argv: return ["serve"] + [a for a in argv if a != "--serve"]
-    if any(a == "--input" or a.startswith("--input=") for a in argv): return ["generate"] + argv
+    if argv and argv[0] in COMMANDS:
+        return argv
+    if "--serve" in argv:
+        return ["serve"] + [a for a in argv if a != "--serve"]
+    if any(a == "--input" or a.startswith("--input=") for a in argv):
+        return ["generate"] + argv
     return argv
 
-seed_argv = hpi_argv   # its first name, kept for callers
+
+seed_argv = hpi_argv  # its first name, kept for callers
+
 
 # %% ../nbs/10_cli.ipynb #2f0d4485
 def check_model_dir(path: str, flag: str = "--model") -> None:
     "Refuse a `--model` that is not a local checkpoint directory, with the way to get one when it looks like a hub id."
     p = Path(path).expanduser()
     if p.is_dir():
-        if not (p / "config.json").exists(): raise UsageError(flag, f"{path} has no config.json: not a Hugging Face checkpoint directory")
+        if not (p / "config.json").exists():
+            raise UsageError(
+                flag, f"{path} has no config.json: not a Hugging Face checkpoint directory"
+            )
         return
-    if p.exists(): raise UsageError(flag, f"{path} is a file; give the checkpoint directory that holds config.json and *.safetensors")
+    if p.exists():
+        raise UsageError(
+            flag,
+            f"{path} is a file; give the checkpoint directory that holds config.json and *.safetensors",
+        )
     parts = path.split("/")
     if len(parts) == 2 and all(parts) and not path.startswith((".", "~")):
-        raise UsageError(flag, f"{path!r} is not a local directory. hetero-infer loads local checkpoint directories only and never downloads; "
-                               f"on a machine with internet run `huggingface-cli download {path} --local-dir ./{parts[1]}` "
-                               f"(or `hf download {path} --local-dir ./{parts[1]}`), copy the directory here, and pass --model ./{parts[1]}")
+        raise UsageError(
+            flag,
+            f"{path!r} is not a local directory. hetero-infer loads local checkpoint directories only and never downloads; "
+            f"on a machine with internet run `huggingface-cli download {path} --local-dir ./{parts[1]}` "
+            f"(or `hf download {path} --local-dir ./{parts[1]}`), copy the directory here, and pass --model ./{parts[1]}",
+        )
     raise UsageError(flag, f"no such directory: {path}")
+
 
 def check_device(device: str | None, backend: str | None) -> None:
     "Refuse `--device cuda` without CUDA and `--attention-backend triton` where Triton cannot run."
     import torch
+
     cuda = torch.cuda.is_available()
     if device is not None and device.startswith("cuda") and not cuda:
-        raise UsageError("--device", f"{device} was asked for, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu (or auto)")
+        raise UsageError(
+            "--device",
+            f"{device} was asked for, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu (or auto)",
+        )
     if backend == "triton":
-        try: import triton
-        except ImportError: raise UsageError("--attention-backend", "triton is not installed (pip install triton, on Linux with a CUDA GPU); use --attention-backend torch") from None
+        try:
+            import triton
+        except ImportError:
+            raise UsageError(
+                "--attention-backend",
+                "triton is not installed (pip install triton, on Linux with a CUDA GPU); use --attention-backend torch",
+            ) from None
         on_cpu = device == "cpu" or (device in (None, "auto") and not cuda)
         if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-            raise UsageError("--attention-backend", "the triton backend needs a CUDA device (on CPU only under TRITON_INTERPRET=1, very slowly); use --attention-backend torch")
+            raise UsageError(
+                "--attention-backend",
+                "the triton backend needs a CUDA device (on CPU only under TRITON_INTERPRET=1, very slowly); use --attention-backend torch",
+            )
+
 
 # %% ../nbs/10_cli.ipynb #81a30e40
 def _flag_of(message: str) -> str | None:
@@ -175,102 +480,182 @@ def _flag_of(message: str) -> str | None:
     field = message.split(" ", 1)[0].rstrip(":")
     return ENGINE_FLAGS[field][0][0] if field in ENGINE_FLAGS else None
 
+
 def _config_key(path: str, field: str) -> str | None:
     "The key of config file `path` that set `field`: its own name, or hetero-paged-infer's name for it."
-    try: raw = json.loads(Path(path).expanduser().read_text())
-    except (OSError, ValueError): return None
-    if not isinstance(raw, dict): return None
+    try:
+        raw = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
     hpi = is_hpi_format(raw)
     keys = [old for old, new in HPI_KEYS.items() if new == field] if hpi else []
-    if not (hpi and field in HPI_KEYS): keys.append(field)
+    if not (hpi and field in HPI_KEYS):
+        keys.append(field)
     return next((k for k in keys if k in raw), None)
+
 
 def usage_error(e: ValueError, args, fallback: str | None = None) -> ValueError:
     "A core `ValueError` as a `UsageError` naming the source of the bad value: the flag given, else the `--config` key that set it."
     msg, flag = str(e), _flag_of(str(e))
-    if flag is None: return UsageError(fallback, msg) if fallback else e
+    if flag is None:
+        return UsageError(fallback, msg) if fallback else e
     field = msg.split(" ", 1)[0].rstrip(":")
-    key = _config_key(args.config, field) if getattr(args, field, None) is None and getattr(args, "config", None) else None
-    if key: return UsageError("--config", f"{args.config} sets {key!r}: {msg}; change it there, or override it with {flag}")
+    key = (
+        _config_key(args.config, field)
+        if getattr(args, field, None) is None and getattr(args, "config", None)
+        else None
+    )
+    if key:
+        return UsageError(
+            "--config",
+            f"{args.config} sets {key!r}: {msg}; change it there, or override it with {flag}",
+        )
     return UsageError(flag, msg)
+
 
 def read_config(path: str) -> tuple[EngineConfig, dict]:
     "The `EngineConfig` of a `--config` file and the raw `serving` object it holds (to know which serving keys it set)."
     p = Path(path).expanduser()
-    if not p.is_file(): raise UsageError("--config", f"no such file: {path}")
-    try: raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e: raise UsageError("--config", f"{path} is not valid JSON: {e}") from None
-    try: cfg = EngineConfig.from_json(raw)
-    except ValueError as e: raise UsageError("--config", f"{path}: {e}") from None
+    if not p.is_file():
+        raise UsageError("--config", f"no such file: {path}")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError("--config", f"{path} is not valid JSON: {e}") from None
+    try:
+        cfg = EngineConfig.from_json(raw)
+    except ValueError as e:
+        raise UsageError("--config", f"{path}: {e}") from None
     serving = raw.get("serving") if isinstance(raw, dict) else None
     return cfg, serving if isinstance(serving, dict) else {}
+
 
 def engine_config(args) -> EngineConfig:
     "An `EngineConfig` from `--config` (if any) overridden by the flags that were given; inputs are checked first."
     cfg = read_config(args.config)[0] if args.config else EngineConfig()
     kw = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k, None) is not None}
-    if kw.get("model") is not None: check_model_dir(kw["model"])
-    elif cfg.model is not None: check_model_dir(cfg.model, "--config (model)")
-    if kw.get("tokenizer") is not None and not Path(kw["tokenizer"]).is_dir(): raise UsageError("--tokenizer", f"no such directory: {kw['tokenizer']}")
-    try: cfg = EngineConfig(**{**cfg.to_dict(), **kw})
-    except ValueError as e: raise usage_error(e, args) from None
+    if kw.get("model") is not None:
+        check_model_dir(kw["model"])
+    elif cfg.model is not None:
+        check_model_dir(cfg.model, "--config (model)")
+    if kw.get("tokenizer") is not None and not Path(kw["tokenizer"]).is_dir():
+        raise UsageError("--tokenizer", f"no such directory: {kw['tokenizer']}")
+    try:
+        cfg = EngineConfig(**{**cfg.to_dict(), **kw})
+    except ValueError as e:
+        raise usage_error(e, args) from None
     check_device(cfg.device, cfg.attention_backend)
     return cfg
+
 
 # %% ../nbs/10_cli.ipynb #f145c8fd
 def cmd_generate(args) -> int:
     "Complete each prompt and print it with its completion."
     prompts = list(args.input) + list(args.prompts)
     cfg = engine_config(args)
-    if not prompts: prompts = [l.rstrip("\n") for l in sys.stdin if l.strip()]
-    if not prompts: raise UsageError("prompts", "give at least one prompt (as arguments, with --input, or on stdin)")
-    try: params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                 max_tokens=args.max_tokens, stop=args.stop)
-    except ValueError as e: raise UsageError("--" + str(e).split(" ", 1)[0].replace("_", "-"), str(e)) from None
+    if not prompts:
+        prompts = [l.rstrip("\n") for l in sys.stdin if l.strip()]
+    if not prompts:
+        raise UsageError(
+            "prompts", "give at least one prompt (as arguments, with --input, or on stdin)"
+        )
+    try:
+        params = SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+        )
+    except ValueError as e:
+        raise UsageError("--" + str(e).split(" ", 1)[0].replace("_", "-"), str(e)) from None
     from hetero_infer.engine import LLM
-    try: llm = LLM(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "serving"})
-    except ValueError as e: raise usage_error(e, args, "--model") from None
-    if args.chat: outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    else: outs = llm.generate(prompts, params, use_tqdm=False)
+
+    try:
+        llm = LLM(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "serving"})
+    except ValueError as e:
+        raise usage_error(e, args, "--model") from None
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     for p, o in zip(prompts, outs):
-        if args.json: print(json.dumps({"prompt": p, "completions": [c.text for c in o.outputs], "finish_reasons": [c.finish_reason for c in o.outputs]}))
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": p,
+                        "completions": [c.text for c in o.outputs],
+                        "finish_reasons": [c.finish_reason for c in o.outputs],
+                    }
+                )
+            )
         else:
-            for c in o.outputs: print(f"{p!r} -> {c.text!r} ({c.finish_reason})")
+            for c in o.outputs:
+                print(f"{p!r} -> {c.text!r} ({c.finish_reason})")
     return 0
+
 
 def cmd_demo(args) -> int:
     "The main job on the shipped demo model."
     from hetero_infer.demo import run_demo
+
     run_demo(n=args.num_prompts, seed=args.seed)
     return 0
+
 
 # %% ../nbs/10_cli.ipynb #e6809531
 def serve_options(args) -> dict:
     "Host, port, served name, API key and limits for `serve`: flag, else the config's `serving`, else the defaults."
     cfg, serving = read_config(args.config) if args.config else (EngineConfig(), {})
     pick = lambda flag, key, default: flag if flag is not None else serving.get(key, default)
-    opts = dict(host=pick(args.host, "host", "127.0.0.1"), port=pick(args.port, "port", 3000),
-                served_model_name=pick(args.served_model_name, "model_name", "hetero-infer"),
-                api_key=pick(args.api_key, "api_key", os.environ.get("HETERO_INFER_API_KEY") or None),
-                max_queued_requests=pick(args.max_queued_requests, "max_queued_requests", cfg.serving.max_queued_requests),
-                request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
-                log_level=args.log_level)
-    if not (isinstance(opts["port"], int) and 0 <= opts["port"] <= 65535): raise UsageError("--port", f"must be in [0, 65535], got {opts['port']!r}")
-    if opts["max_queued_requests"] is not None and opts["max_queued_requests"] < 1: raise UsageError("--max-queued-requests", "must be >= 1")
-    if opts["request_timeout"] is not None and opts["request_timeout"] <= 0: raise UsageError("--request-timeout", "must be > 0")
-    if opts["max_body_bytes"] < 1024: raise UsageError("--max-body-bytes", "must be >= 1024")
-    d = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p") if getattr(args, k) is not None}
-    try: SamplingParams(**d)
-    except ValueError as e: raise UsageError("--" + str(e).split(" ", 1)[0].replace("_", "-"), str(e)) from None
+    opts = dict(
+        host=pick(args.host, "host", "127.0.0.1"),
+        port=pick(args.port, "port", 3000),
+        served_model_name=pick(args.served_model_name, "model_name", "hetero-infer"),
+        api_key=pick(args.api_key, "api_key", os.environ.get("HETERO_INFER_API_KEY") or None),
+        max_queued_requests=pick(
+            args.max_queued_requests, "max_queued_requests", cfg.serving.max_queued_requests
+        ),
+        request_timeout=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    if not (isinstance(opts["port"], int) and 0 <= opts["port"] <= 65535):
+        raise UsageError("--port", f"must be in [0, 65535], got {opts['port']!r}")
+    if opts["max_queued_requests"] is not None and opts["max_queued_requests"] < 1:
+        raise UsageError("--max-queued-requests", "must be >= 1")
+    if opts["request_timeout"] is not None and opts["request_timeout"] <= 0:
+        raise UsageError("--request-timeout", "must be > 0")
+    if opts["max_body_bytes"] < 1024:
+        raise UsageError("--max-body-bytes", "must be >= 1024")
+    d = {
+        k: getattr(args, k)
+        for k in ("max_tokens", "temperature", "top_p")
+        if getattr(args, k) is not None
+    }
+    try:
+        SamplingParams(**d)
+    except ValueError as e:
+        raise UsageError("--" + str(e).split(" ", 1)[0].replace("_", "-"), str(e)) from None
     opts["default_sampling"] = d
     return opts
+
 
 def _check_port(host: str, port: int) -> None:
     "Refuse a port we cannot listen on before the model loads."
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, port))
-    except OSError as e: raise UsageError("--port", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise UsageError("--port", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
 
 def cmd_serve(args) -> int:
     "Serve the OpenAI-compatible API until SIGTERM/Ctrl-C; exits 0 after draining."
@@ -278,10 +663,17 @@ def cmd_serve(args) -> int:
     cfg = engine_config(args)
     _check_port(opts["host"], opts["port"])
     from hetero_infer.server import serve
-    print(f"hetero-infer: loading {cfg.model or 'the shipped demo model'}; serving it as {opts['served_model_name']!r} on http://{opts['host']}:{opts['port']}/v1",
-          file=sys.stderr, flush=True)
-    try: return serve(cfg, **opts)
-    except ValueError as e: raise usage_error(e, args, "--model") from None   # the model or config could not be loaded
+
+    print(
+        f"hetero-infer: loading {cfg.model or 'the shipped demo model'}; serving it as {opts['served_model_name']!r} on http://{opts['host']}:{opts['port']}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return serve(cfg, **opts)
+    except ValueError as e:
+        raise usage_error(e, args, "--model") from None  # the model or config could not be loaded
+
 
 # %% ../nbs/10_cli.ipynb #fbb1ec1d
 def main(argv: list[str] | None = None) -> int:
@@ -291,8 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     run = {"generate": cmd_generate, "serve": cmd_serve, "demo": cmd_demo}.get(args.command)
     if run is None:
         from hetero_infer.bench import bench_command
+
         run = bench_command
-    try: return run(args)
+    try:
+        return run(args)
     except ValueError as e:
         print(f"hetero-infer: error: {e}", file=sys.stderr)
         return 2

@@ -4,335 +4,701 @@
 
 # %% ../nbs/00_core.ipynb #43e3d7bb
 from __future__ import annotations
-import enum, importlib.util, json, math, time
+import enum
+import importlib.util
+import json
+import math
+import time
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Any
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'SPECULATIVE_METHODS', 'DEMO_MODEL_DIR',
-           'HPI_KEYS', 'TOKENIZER_KINDS', 'SERVING_BACKENDS', 'SamplingParams', 'ServingConfig', 'EngineConfig',
-           'is_hpi_format', 'to_json', 'QueueFullError', 'SequenceStatus', 'Sequence', 'Logprob', 'CompletionOutput',
-           'RequestMetrics', 'RequestOutput']
+__all__ = [
+    "MAX_LOGPROBS",
+    "DTYPES",
+    "DTYPE_ALIASES",
+    "DEVICES",
+    "ATTENTION_BACKENDS",
+    "SPECULATIVE_METHODS",
+    "DEMO_MODEL_DIR",
+    "HPI_KEYS",
+    "TOKENIZER_KINDS",
+    "SERVING_BACKENDS",
+    "SamplingParams",
+    "ServingConfig",
+    "EngineConfig",
+    "is_hpi_format",
+    "to_json",
+    "QueueFullError",
+    "SequenceStatus",
+    "Sequence",
+    "Logprob",
+    "CompletionOutput",
+    "RequestMetrics",
+    "RequestOutput",
+]
+
 
 # %% ../nbs/00_core.ipynb #2c4dbc4b
 def _check(ok: bool, name: str, msg: str):
     "Raise `ValueError` naming field `name` unless `ok`."
-    if not ok: raise ValueError(f"{name} {msg}")
+    if not ok:
+        raise ValueError(f"{name} {msg}")
 
-def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
-def _is_num(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
 
 # %% ../nbs/00_core.ipynb #bae385cc
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for per token (OpenAI's limit)
 
+
 @dataclass
 class SamplingParams:
     "How one request picks its tokens and when it stops; every field is checked when built."
-    n: int = 1                          # completions to return for the prompt
-    temperature: float = 1.0            # 0 means greedy
-    top_p: float = 1.0                  # nucleus: keep the smallest set with this much mass, in (0, 1]
-    top_k: int = 0                      # keep the k most likely tokens; 0 or -1 keeps all
-    min_p: float = 0.0                  # drop tokens below min_p x the top probability, in [0, 1]
-    presence_penalty: float = 0.0       # subtract once for every token already generated, in [-2, 2]
-    frequency_penalty: float = 0.0      # subtract per occurrence in the generated tokens, in [-2, 2]
-    repetition_penalty: float = 1.0     # divide (or multiply) logits of tokens seen in prompt or output, > 0
-    seed: int | None = None             # per-request generator: same seed, same tokens, whatever else runs
-    stop: str | list[str] | None = None # strings that end the completion (not included in the text)
+
+    n: int = 1  # completions to return for the prompt
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set with this much mass, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
+    min_p: float = 0.0  # drop tokens below min_p x the top probability, in [0, 1]
+    presence_penalty: float = 0.0  # subtract once for every token already generated, in [-2, 2]
+    frequency_penalty: float = 0.0  # subtract per occurrence in the generated tokens, in [-2, 2]
+    repetition_penalty: float = (
+        1.0  # divide (or multiply) logits of tokens seen in prompt or output, > 0
+    )
+    seed: int | None = None  # per-request generator: same seed, same tokens, whatever else runs
+    stop: str | list[str] | None = (
+        None  # strings that end the completion (not included in the text)
+    )
     stop_token_ids: list[int] | None = None  # token ids that end the completion
-    ignore_eos: bool = False            # keep going past the end-of-sequence token
-    max_tokens: int | None = 16         # most tokens to generate; None means up to max_model_len
-    min_tokens: int = 0                 # no stop (eos, stop ids, stop strings) before this many tokens
-    logprobs: int | None = None         # return this many top logprobs per token, plus the chosen one
-    skip_special_tokens: bool = True    # leave special tokens out of the text
+    ignore_eos: bool = False  # keep going past the end-of-sequence token
+    max_tokens: int | None = 16  # most tokens to generate; None means up to max_model_len
+    min_tokens: int = 0  # no stop (eos, stop ids, stop strings) before this many tokens
+    logprobs: int | None = None  # return this many top logprobs per token, plus the chosen one
+    skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
-    detokenize: bool = True             # False: token ids only, the text stays "" (no detokenizer runs; stop strings need text)
+    detokenize: bool = True  # False: token ids only, the text stays "" (no detokenizer runs; stop strings need text)
 
     def __post_init__(self):
-        if isinstance(self.stop, str): self.stop = [self.stop]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
-        if self.greedy: self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if self.greedy:
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
-    def greedy(self) -> bool: return self.temperature < 1e-5
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
 
     def _validate(self):
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(
+            _is_num(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
+        _check(
+            _is_num(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(
+            _is_num(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", f"must be non-empty strings, got {self.stop!r}")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
-        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", f"must be a bool, got {self.skip_special_tokens!r}")
-        _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", f"must be a bool, got {self.include_stop_str_in_output!r}")
-        _check(isinstance(self.detokenize, bool), "detokenize", f"must be a bool, got {self.detokenize!r}")
-        _check(self.detokenize or not self.stop, "stop", "strings need the text: set detokenize=True, or use stop_token_ids")
+        _check(
+            _is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty!r}",
+        )
+        _check(
+            self.seed is None or _is_int(self.seed),
+            "seed",
+            f"must be an integer or None, got {self.seed!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            f"must be non-empty strings, got {self.stop!r}",
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        _check(
+            isinstance(self.ignore_eos, bool),
+            "ignore_eos",
+            f"must be a bool, got {self.ignore_eos!r}",
+        )
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be an integer >= 1 or None, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}",
+        )
+        _check(
+            isinstance(self.skip_special_tokens, bool),
+            "skip_special_tokens",
+            f"must be a bool, got {self.skip_special_tokens!r}",
+        )
+        _check(
+            isinstance(self.include_stop_str_in_output, bool),
+            "include_stop_str_in_output",
+            f"must be a bool, got {self.include_stop_str_in_output!r}",
+        )
+        _check(
+            isinstance(self.detokenize, bool),
+            "detokenize",
+            f"must be a bool, got {self.detokenize!r}",
+        )
+        _check(
+            self.detokenize or not self.stop,
+            "stop",
+            "strings need the text: set detokenize=True, or use stop_token_ids",
+        )
+
 
 # %% ../nbs/00_core.ipynb #02a46072
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's other spellings
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
+
 def _dtype_name(d):
     "`d` as one of DTYPES where it is a known spelling: 'half', 'float', or a torch dtype (no torch import needed)."
-    if not isinstance(d, str) and str(d).startswith("torch."): d = str(d)[len("torch."):]
+    if not isinstance(d, str) and str(d).startswith("torch."):
+        d = str(d)[len("torch.") :]
     return DTYPE_ALIASES.get(d, d) if isinstance(d, str) else d
+
 
 @dataclass
 class ServingConfig:
     "Where and as what the OpenAI-compatible server listens."
+
     host: str = "127.0.0.1"
     port: int = 8000
-    model_name: str | None = None    # the name clients send as `model`; None uses the model directory's name
-    api_key: str | None = None       # when set, requests need `Authorization: Bearer <api_key>`
+    model_name: str | None = (
+        None  # the name clients send as `model`; None uses the model directory's name
+    )
+    api_key: str | None = None  # when set, requests need `Authorization: Bearer <api_key>`
     max_queued_requests: int = 1024  # beyond this many waiting requests the server answers 503
 
     def __post_init__(self):
-        _check(isinstance(self.host, str) and self.host, "serving.host", f"must be a non-empty string, got {self.host!r}")
-        _check(_is_int(self.port) and 0 <= self.port <= 65535, "serving.port", f"must be an integer in [0, 65535], got {self.port!r}")
-        _check(self.model_name is None or (isinstance(self.model_name, str) and self.model_name), "serving.model_name", f"must be a non-empty string or None, got {self.model_name!r}")
-        _check(self.api_key is None or isinstance(self.api_key, str), "serving.api_key", f"must be a string or None, got {self.api_key!r}")
-        _check(_is_int(self.max_queued_requests) and self.max_queued_requests >= 1, "serving.max_queued_requests", f"must be an integer >= 1, got {self.max_queued_requests!r}")
+        _check(
+            isinstance(self.host, str) and self.host,
+            "serving.host",
+            f"must be a non-empty string, got {self.host!r}",
+        )
+        _check(
+            _is_int(self.port) and 0 <= self.port <= 65535,
+            "serving.port",
+            f"must be an integer in [0, 65535], got {self.port!r}",
+        )
+        _check(
+            self.model_name is None or (isinstance(self.model_name, str) and self.model_name),
+            "serving.model_name",
+            f"must be a non-empty string or None, got {self.model_name!r}",
+        )
+        _check(
+            self.api_key is None or isinstance(self.api_key, str),
+            "serving.api_key",
+            f"must be a string or None, got {self.api_key!r}",
+        )
+        _check(
+            _is_int(self.max_queued_requests) and self.max_queued_requests >= 1,
+            "serving.max_queued_requests",
+            f"must be an integer >= 1, got {self.max_queued_requests!r}",
+        )
+
 
 # %% ../nbs/00_core.ipynb #56a43acf
 @dataclass
 class EngineConfig:
     "Everything that shapes the engine: model, cache geometry, batch limits."
-    model: str | None = None            # HF checkpoint directory; None is the shipped demo model
-    tokenizer: str | None = None        # tokenizer directory; None uses the model's
-    dtype: str = "auto"                 # auto: the checkpoint's dtype on GPU, float32 on CPU
-    device: str = "auto"                # auto: cuda when available, else cpu
-    block_size: int = 16                # tokens per KV-cache block
-    num_blocks: int | None = None       # KV-cache blocks; None derives it from free memory
-    gpu_memory_utilization: float = 0.9 # share of GPU memory the engine may use (weights + cache)
-    memory_threshold: float = 0.95      # no new prefill once KV usage would pass this share of the blocks
-    max_num_seqs: int = 256             # most sequences in one step
-    max_admitted_seqs: int | None = None # most sequences admitted at all (running + waiting, each of n counts); None: no bound
+
+    model: str | None = None  # HF checkpoint directory; None is the shipped demo model
+    tokenizer: str | None = None  # tokenizer directory; None uses the model's
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: int | None = None  # KV-cache blocks; None derives it from free memory
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (weights + cache)
+    memory_threshold: float = (
+        0.95  # no new prefill once KV usage would pass this share of the blocks
+    )
+    max_num_seqs: int = 256  # most sequences in one step
+    max_admitted_seqs: int | None = (
+        None  # most sequences admitted at all (running + waiting, each of n counts); None: no bound
+    )
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
-    max_model_len: int | None = None    # longest prompt + output; None takes the model's limit
+    max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
-    enable_chunked_prefill: bool = True # split long prompts across steps, beside decodes
-    attention_backend: str = "auto"     # auto: triton on CUDA, torch on CPU
-    seed: int = 0                       # seed of the engine's default generator
-    max_retry_attempts: int = 2         # retries of a request whose step raised, before it ends with finish_reason "error"
-    tensor_parallel_size: int = 1       # processes (ranks) one model is split across (13_tensor_parallel)
-    speculative_method: str | None = None  # None, "ngram" (prompt lookup) or "draft" (a smaller model): 12_speculative_decoding
-    num_speculative_tokens: int = 3     # tokens proposed per sequence per step when speculating
-    speculative_model: str | None = None  # the draft checkpoint directory (speculative_method="draft")
-    prompt_lookup_min: int = 1          # shortest n-gram the ngram proposer matches
-    prompt_lookup_max: int = 3          # longest n-gram it tries first
+    enable_chunked_prefill: bool = True  # split long prompts across steps, beside decodes
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    seed: int = 0  # seed of the engine's default generator
+    max_retry_attempts: int = (
+        2  # retries of a request whose step raised, before it ends with finish_reason "error"
+    )
+    tensor_parallel_size: int = (
+        1  # processes (ranks) one model is split across (13_tensor_parallel)
+    )
+    speculative_method: str | None = (
+        None  # None, "ngram" (prompt lookup) or "draft" (a smaller model): 12_speculative_decoding
+    )
+    num_speculative_tokens: int = 3  # tokens proposed per sequence per step when speculating
+    speculative_model: str | None = (
+        None  # the draft checkpoint directory (speculative_method="draft")
+    )
+    prompt_lookup_min: int = 1  # shortest n-gram the ngram proposer matches
+    prompt_lookup_max: int = 3  # longest n-gram it tries first
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self):
-        if isinstance(self.serving, dict): self.serving = _build(ServingConfig, self.serving, "serving.")
-        _check(isinstance(self.serving, ServingConfig), "serving", f"must be an object (host, port, model_name, api_key, max_queued_requests), got {self.serving!r}")
-        _check(self.model is None or isinstance(self.model, (str, Path)), "model", f"must be a path or None, got {self.model!r}")
-        if isinstance(self.model, Path): self.model = str(self.model)
-        _check(self.tokenizer is None or isinstance(self.tokenizer, (str, Path)), "tokenizer", f"must be a path or None, got {self.tokenizer!r}")
-        if isinstance(self.tokenizer, Path): self.tokenizer = str(self.tokenizer)
+        if isinstance(self.serving, dict):
+            self.serving = _build(ServingConfig, self.serving, "serving.")
+        _check(
+            isinstance(self.serving, ServingConfig),
+            "serving",
+            f"must be an object (host, port, model_name, api_key, max_queued_requests), got {self.serving!r}",
+        )
+        _check(
+            self.model is None or isinstance(self.model, (str, Path)),
+            "model",
+            f"must be a path or None, got {self.model!r}",
+        )
+        if isinstance(self.model, Path):
+            self.model = str(self.model)
+        _check(
+            self.tokenizer is None or isinstance(self.tokenizer, (str, Path)),
+            "tokenizer",
+            f"must be a path or None, got {self.tokenizer!r}",
+        )
+        if isinstance(self.tokenizer, Path):
+            self.tokenizer = str(self.tokenizer)
         self.dtype = _dtype_name(self.dtype)
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES} (or {', '.join(DTYPE_ALIASES)}, or a torch dtype), got {self.dtype!r}")
-        _check(self.device in DEVICES or (isinstance(self.device, str) and self.device.startswith("cuda:")), "device", f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
-        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        _check(_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0 and self.block_size <= 256,
-               "block_size", f"must be a power of two in [1, 256], got {self.block_size!r}")
-        _check(self.num_blocks is None or (_is_int(self.num_blocks) and self.num_blocks >= 1), "num_blocks", f"must be an integer >= 1 or None, got {self.num_blocks!r}")
-        _check(_is_num(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        _check(_is_num(self.memory_threshold) and 0 < self.memory_threshold <= 1, "memory_threshold", f"must be in (0, 1], got {self.memory_threshold!r}")
-        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", f"must be an integer >= 1, got {self.max_num_seqs!r}")
-        _check(self.max_admitted_seqs is None or (_is_int(self.max_admitted_seqs) and self.max_admitted_seqs >= 1), "max_admitted_seqs", f"must be an integer >= 1 or None, got {self.max_admitted_seqs!r}")
-        _check(_is_int(self.max_retry_attempts) and self.max_retry_attempts >= 0, "max_retry_attempts", f"must be an integer >= 0, got {self.max_retry_attempts!r}")
-        _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        _check(
+            self.dtype in DTYPES,
+            "dtype",
+            f"must be one of {DTYPES} (or {', '.join(DTYPE_ALIASES)}, or a torch dtype), got {self.dtype!r}",
+        )
+        _check(
+            self.device in DEVICES
+            or (isinstance(self.device, str) and self.device.startswith("cuda:")),
+            "device",
+            f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}",
+        )
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _check(
+            _is_int(self.block_size)
+            and self.block_size >= 1
+            and self.block_size & (self.block_size - 1) == 0
+            and self.block_size <= 256,
+            "block_size",
+            f"must be a power of two in [1, 256], got {self.block_size!r}",
+        )
+        _check(
+            self.num_blocks is None or (_is_int(self.num_blocks) and self.num_blocks >= 1),
+            "num_blocks",
+            f"must be an integer >= 1 or None, got {self.num_blocks!r}",
+        )
+        _check(
+            _is_num(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        _check(
+            _is_num(self.memory_threshold) and 0 < self.memory_threshold <= 1,
+            "memory_threshold",
+            f"must be in (0, 1], got {self.memory_threshold!r}",
+        )
+        _check(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            "max_num_seqs",
+            f"must be an integer >= 1, got {self.max_num_seqs!r}",
+        )
+        _check(
+            self.max_admitted_seqs is None
+            or (_is_int(self.max_admitted_seqs) and self.max_admitted_seqs >= 1),
+            "max_admitted_seqs",
+            f"must be an integer >= 1 or None, got {self.max_admitted_seqs!r}",
+        )
+        _check(
+            _is_int(self.max_retry_attempts) and self.max_retry_attempts >= 0,
+            "max_retry_attempts",
+            f"must be an integer >= 0, got {self.max_retry_attempts!r}",
+        )
+        _check(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            f"must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
         self._check_speculative()
-        _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be an integer >= 1, got {self.max_num_batched_tokens!r}")
-        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1), "max_model_len", f"must be an integer >= 1 or None, got {self.max_model_len!r}")
+        _check(
+            _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be an integer >= 1, got {self.max_num_batched_tokens!r}",
+        )
+        _check(
+            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
+            "max_model_len",
+            f"must be an integer >= 1 or None, got {self.max_model_len!r}",
+        )
         if not self.enable_chunked_prefill and self.max_model_len is not None:
-            _check(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
-                   f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}")
+            _check(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "max_num_batched_tokens",
+                f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}",
+            )
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
-            _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
+            _check(
+                isinstance(getattr(self, name), bool),
+                name,
+                f"must be a bool, got {getattr(self, name)!r}",
+            )
         _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
 
+
 SPECULATIVE_METHODS = ("ngram", "draft")
+
 
 def _check_speculative(self: EngineConfig):
     "The speculative-decoding fields agree with each other."
     m = self.speculative_method
-    _check(m is None or m in SPECULATIVE_METHODS, "speculative_method", f"must be None or one of {SPECULATIVE_METHODS}, got {m!r}")
-    _check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
-    _check(self.speculative_model is None or isinstance(self.speculative_model, (str, Path)), "speculative_model", f"must be a path or None, got {self.speculative_model!r}")
-    if isinstance(self.speculative_model, Path): self.speculative_model = str(self.speculative_model)
-    _check(m != "draft" or self.speculative_model is not None, "speculative_model", "must name the draft checkpoint directory when speculative_method is 'draft'")
-    _check(m == "draft" or self.speculative_model is None, "speculative_model", f"is only used with speculative_method='draft', got speculative_method={m!r}")
+    _check(
+        m is None or m in SPECULATIVE_METHODS,
+        "speculative_method",
+        f"must be None or one of {SPECULATIVE_METHODS}, got {m!r}",
+    )
+    _check(
+        _is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+        "num_speculative_tokens",
+        f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}",
+    )
+    _check(
+        self.speculative_model is None or isinstance(self.speculative_model, (str, Path)),
+        "speculative_model",
+        f"must be a path or None, got {self.speculative_model!r}",
+    )
+    if isinstance(self.speculative_model, Path):
+        self.speculative_model = str(self.speculative_model)
+    _check(
+        m != "draft" or self.speculative_model is not None,
+        "speculative_model",
+        "must name the draft checkpoint directory when speculative_method is 'draft'",
+    )
+    _check(
+        m == "draft" or self.speculative_model is None,
+        "speculative_model",
+        f"is only used with speculative_method='draft', got speculative_method={m!r}",
+    )
     for name in ("prompt_lookup_min", "prompt_lookup_max"):
-        _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, f"must be an integer >= 1, got {getattr(self, name)!r}")
-    _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+        _check(
+            _is_int(getattr(self, name)) and getattr(self, name) >= 1,
+            name,
+            f"must be an integer >= 1, got {getattr(self, name)!r}",
+        )
+    _check(
+        self.prompt_lookup_min <= self.prompt_lookup_max,
+        "prompt_lookup_min",
+        f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}",
+    )
+
 
 EngineConfig._check_speculative = _check_speculative
 
+
 def _build(cls, d: dict, prefix: str = ""):
     "Build dataclass `cls` from dict `d`, naming any unknown key."
-    if not isinstance(d, dict): raise ValueError(f"{prefix.rstrip('.') or cls.__name__} must be an object, got {d!r}")
+    if not isinstance(d, dict):
+        raise ValueError(f"{prefix.rstrip('.') or cls.__name__} must be an object, got {d!r}")
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
-    if unknown: raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; known: {', '.join(sorted(known))}")
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; known: {', '.join(sorted(known))}"
+        )
     return cls(**d)
+
 
 # %% ../nbs/00_core.ipynb #6b3ae692
 # this module's folder; in the notebook, where `__file__` is not set, the package is found without importing it
-_PKG_DIR = Path(__file__).parent if "__file__" in globals() else Path(importlib.util.find_spec("hetero_infer").origin).parent
-DEMO_MODEL_DIR = _PKG_DIR / "demo_model"   # the shipped demo checkpoint (08_demo_model)
+_PKG_DIR = (
+    Path(__file__).parent
+    if "__file__" in globals()
+    else Path(importlib.util.find_spec("hetero_infer").origin).parent
+)
+DEMO_MODEL_DIR = _PKG_DIR / "demo_model"  # the shipped demo checkpoint (08_demo_model)
 
 # %% ../nbs/00_core.ipynb #61bbf52a
-HPI_KEYS = {"max_num_blocks": "num_blocks", "max_batch_size": "max_num_seqs", "max_total_tokens": "max_num_batched_tokens",
-            "max_num_seqs": "max_admitted_seqs"}   # hetero-paged-infer's config key -> ours
-TOKENIZER_KINDS = ("simple", "huggingface")        # both are Hugging Face tokenizers here
-SERVING_BACKENDS = ("local_engine",)               # "command_bridge" is refused: see _hpi_serving
+HPI_KEYS = {
+    "max_num_blocks": "num_blocks",
+    "max_batch_size": "max_num_seqs",
+    "max_total_tokens": "max_num_batched_tokens",
+    "max_num_seqs": "max_admitted_seqs",
+}  # hetero-paged-infer's config key -> ours
+TOKENIZER_KINDS = ("simple", "huggingface")  # both are Hugging Face tokenizers here
+SERVING_BACKENDS = ("local_engine",)  # "command_bridge" is refused: see _hpi_serving
+
 
 def is_hpi_format(d: dict) -> bool:
     "Whether config dict `d` is in hetero-paged-infer's format: it has a key only that format has."
     serving = d.get("serving")
-    return (any(k in d for k in ("max_batch_size", "max_total_tokens", "max_num_blocks")) or isinstance(d.get("tokenizer"), dict)
-            or (isinstance(serving, dict) and "backend" in serving))
+    return (
+        any(k in d for k in ("max_batch_size", "max_total_tokens", "max_num_blocks"))
+        or isinstance(d.get("tokenizer"), dict)
+        or (isinstance(serving, dict) and "backend" in serving)
+    )
+
 
 # %% ../nbs/00_core.ipynb #b0f4b0de
 def _hpi_tokenizer(tok: dict) -> str | None:
     "Our `tokenizer` field from hetero-paged-infer's `{kind, path}` object."
     unknown = sorted(set(tok) - {"kind", "path"})
-    if unknown: raise ValueError(f"unknown config key(s) {', '.join('tokenizer.' + k for k in unknown)}; known: kind, path")
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join('tokenizer.' + k for k in unknown)}; known: kind, path"
+        )
     kind, path = tok.get("kind", "huggingface"), tok.get("path")
-    _check(kind in TOKENIZER_KINDS, "tokenizer.kind", f"must be one of {TOKENIZER_KINDS} (both load a Hugging Face tokenizer), got {kind!r}")
-    _check(path is None or (isinstance(path, str) and path), "tokenizer.path", f"must be a directory path or null (the model's own tokenizer), got {path!r}")
+    _check(
+        kind in TOKENIZER_KINDS,
+        "tokenizer.kind",
+        f"must be one of {TOKENIZER_KINDS} (both load a Hugging Face tokenizer), got {kind!r}",
+    )
+    _check(
+        path is None or (isinstance(path, str) and path),
+        "tokenizer.path",
+        f"must be a directory path or null (the model's own tokenizer), got {path!r}",
+    )
     return path
+
 
 def _hpi_serving(serving: dict) -> dict:
     "`serving` without its `backend` object, after checking that the backend is this engine."
     serving = dict(serving)
     be = serving.pop("backend", None)
-    if be is None: return serving
-    if not isinstance(be, dict): raise ValueError(f"serving.backend must be an object, got {be!r}")
+    if be is None:
+        return serving
+    if not isinstance(be, dict):
+        raise ValueError(f"serving.backend must be an object, got {be!r}")
     unknown = sorted(set(be) - {"kind", "command"})
-    if unknown: raise ValueError(f"unknown config key(s) {', '.join('serving.backend.' + k for k in unknown)}; known: kind, command")
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join('serving.backend.' + k for k in unknown)}; known: kind, command"
+        )
     kind = be.get("kind", "local_engine")
     if kind == "command_bridge":
-        raise ValueError("serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine "
-                         "runs the model in-process and batches requests itself; use 'local_engine'")
-    _check(kind in SERVING_BACKENDS, "serving.backend.kind", f"must be 'local_engine' (the model runs in this process), got {kind!r}")
-    _check(be.get("command") is None, "serving.backend.command", f"must be null: only 'command_bridge' uses a command, got {be.get('command')!r}")
+        raise ValueError(
+            "serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine "
+            "runs the model in-process and batches requests itself; use 'local_engine'"
+        )
+    _check(
+        kind in SERVING_BACKENDS,
+        "serving.backend.kind",
+        f"must be 'local_engine' (the model runs in this process), got {kind!r}",
+    )
+    _check(
+        be.get("command") is None,
+        "serving.backend.command",
+        f"must be null: only 'command_bridge' uses a command, got {be.get('command')!r}",
+    )
     return serving
+
 
 # %% ../nbs/00_core.ipynb #51f85c7d
 def _from_dict(cls, d: dict) -> EngineConfig:
     "Build an `EngineConfig` from a config dict in our format or hetero-paged-infer's."
-    if not isinstance(d, dict): raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
-    if not is_hpi_format(d): return _build(cls, d)
+    if not isinstance(d, dict):
+        raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+    if not is_hpi_format(d):
+        return _build(cls, d)
     src, d = d, {k: v for k, v in d.items() if k not in HPI_KEYS}
     for old, new in HPI_KEYS.items():
-        if old not in src: continue
-        if new in src and new not in HPI_KEYS and src[new] != src[old]: raise ValueError(f"{old} ({src[old]!r}) and {new} ({src[new]!r}) disagree; give one of them")
+        if old not in src:
+            continue
+        if new in src and new not in HPI_KEYS and src[new] != src[old]:
+            raise ValueError(
+                f"{old} ({src[old]!r}) and {new} ({src[new]!r}) disagree; give one of them"
+            )
         d[new] = src[old]
-    if isinstance(d.get("tokenizer"), dict): d["tokenizer"] = _hpi_tokenizer(d["tokenizer"])
-    if isinstance(d.get("serving"), dict): d["serving"] = _hpi_serving(d["serving"])
+    if isinstance(d.get("tokenizer"), dict):
+        d["tokenizer"] = _hpi_tokenizer(d["tokenizer"])
+    if isinstance(d.get("serving"), dict):
+        d["serving"] = _hpi_serving(d["serving"])
     return _build(cls, d)
 
-def _to_dict(self: EngineConfig) -> dict: return asdict(self)
+
+def _to_dict(self: EngineConfig) -> dict:
+    return asdict(self)
+
 
 def _from_json(cls, src: str | Path | dict) -> EngineConfig:
     "Load a config from a JSON file path, a JSON string, or a dict, in our format or hetero-paged-infer's."
-    if not isinstance(src, (str, Path)): return _from_dict(cls, src)
-    if isinstance(src, str) and src.lstrip().startswith("{"): text = src
+    if not isinstance(src, (str, Path)):
+        return _from_dict(cls, src)
+    if isinstance(src, str) and src.lstrip().startswith("{"):
+        text = src
     else:
-        try: text = Path(src).read_text()
-        except OSError as e: raise ValueError(f"config file {str(src)!r} cannot be read: {e.strerror or e}") from None
-    try: d = json.loads(text)
-    except json.JSONDecodeError as e: raise ValueError(f"config is not valid JSON: {e}") from None
+        try:
+            text = Path(src).read_text()
+        except OSError as e:
+            raise ValueError(
+                f"config file {str(src)!r} cannot be read: {e.strerror or e}"
+            ) from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config is not valid JSON: {e}") from None
     return _from_dict(cls, d)
+
 
 def to_json(self: EngineConfig, path: str | Path | None = None) -> str:
     "The config as JSON (our names), also written to `path` when given."
     s = json.dumps(_to_dict(self), indent=2)
-    if path is not None: Path(path).write_text(s)
+    if path is not None:
+        Path(path).write_text(s)
     return s
 
-EngineConfig.from_json = classmethod(_from_json)   # attached, not decorated: mutmut mutates decorated functions badly
+
+EngineConfig.from_json = classmethod(
+    _from_json
+)  # attached, not decorated: mutmut mutates decorated functions badly
 EngineConfig.to_json, EngineConfig.to_dict = to_json, _to_dict
+
 
 # %% ../nbs/00_core.ipynb #9e69ea3e
 class QueueFullError(RuntimeError):
     "Admitting the request would pass `EngineConfig.max_admitted_seqs`; nothing was changed, retry later."
 
+
 # %% ../nbs/00_core.ipynb #39344552
 class SequenceStatus(enum.Enum):
     "Where a sequence is in its life."
-    WAITING = "waiting"                  # queued for (re)admission; holds no blocks
-    RUNNING = "running"                  # holds blocks and is scheduled each step
-    FINISHED_STOPPED = "stop"            # hit eos, a stop token id or a stop string
-    FINISHED_LENGTH = "length"           # hit max_tokens or max_model_len
-    FINISHED_ABORTED = "abort"           # aborted by the client or the engine
-    FINISHED_ERROR = "error"             # its step raised more than max_retry_attempts times
+
+    WAITING = "waiting"  # queued for (re)admission; holds no blocks
+    RUNNING = "running"  # holds blocks and is scheduled each step
+    FINISHED_STOPPED = "stop"  # hit eos, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # hit max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"  # aborted by the client or the engine
+    FINISHED_ERROR = "error"  # its step raised more than max_retry_attempts times
 
     @property
-    def finished(self) -> bool: return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
+    def finished(self) -> bool:
+        return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
 
     @property
-    def finish_reason(self) -> str | None: return self.value if self.finished else None
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
 
 # %% ../nbs/00_core.ipynb #c50fcbb3
 @dataclass(eq=False)
 class Sequence:
     "Mutable state of one sequence: its tokens, where their KV lives, and how far it has been computed."
-    seq_id: int                          # unique within the engine
-    request_id: str                      # the request it belongs to (n > 1: several sequences share one)
-    token_ids: list[int]                 # prompt then generated tokens
-    num_prompt_tokens: int               # how many of token_ids are the prompt
+
+    seq_id: int  # unique within the engine
+    request_id: str  # the request it belongs to (n > 1: several sequences share one)
+    token_ids: list[int]  # prompt then generated tokens
+    num_prompt_tokens: int  # how many of token_ids are the prompt
     params: SamplingParams = field(default_factory=SamplingParams)
-    index: int = 0                       # which of the request's n completions this is
+    index: int = 0  # which of the request's n completions this is
     arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0                    # lower runs first; ties go first come first served
+    priority: int = 0  # lower runs first; ties go first come first served
     status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = field(default_factory=list)   # physical block of each logical block, written by the BlockManager
-    block_hashes: list[bytes] = field(default_factory=list) # chained hash of each full block, kept by the BlockManager
-    num_computed_tokens: int = 0         # leading tokens whose KV is in the cache
-    num_cached_tokens: int = 0           # of those, how many came from the prefix cache at admission
-    num_preemptions: int = 0             # times this sequence was preempted (and recomputed)
-    num_spec_tokens: int = 0             # of token_ids, the last ones are proposals not yet verified (12_speculative_decoding)
+    block_table: list[int] = field(
+        default_factory=list
+    )  # physical block of each logical block, written by the BlockManager
+    block_hashes: list[bytes] = field(
+        default_factory=list
+    )  # chained hash of each full block, kept by the BlockManager
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    num_preemptions: int = 0  # times this sequence was preempted (and recomputed)
+    num_spec_tokens: int = (
+        0  # of token_ids, the last ones are proposals not yet verified (12_speculative_decoding)
+    )
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)
-        _check(1 <= self.num_prompt_tokens <= len(self.token_ids), "num_prompt_tokens", f"must be in [1, {len(self.token_ids)}], got {self.num_prompt_tokens}")
+        _check(
+            1 <= self.num_prompt_tokens <= len(self.token_ids),
+            "num_prompt_tokens",
+            f"must be in [1, {len(self.token_ids)}], got {self.num_prompt_tokens}",
+        )
 
-    def __len__(self) -> int: return len(self.token_ids)
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.name}, tokens={len(self)} "
-                f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.name}, tokens={len(self)} "
+            f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
 
     @property
-    def prompt_token_ids(self) -> list[int]: return self.token_ids[:self.num_prompt_tokens]
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
     @property
-    def output_token_ids(self) -> list[int]: return self.token_ids[self.num_prompt_tokens:]
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
     @property
-    def num_output_tokens(self) -> int: return len(self.token_ids) - self.num_prompt_tokens
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
     @property
-    def num_uncomputed_tokens(self) -> int: return len(self.token_ids) - self.num_computed_tokens
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
     @property
-    def is_prefill(self) -> bool: return self.num_uncomputed_tokens > 1  # more than the one token a decode step feeds
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed_tokens > 1  # more than the one token a decode step feeds
+
     @property
-    def finished(self) -> bool: return self.status.finished
-    def last_token_id(self) -> int: return self.token_ids[-1]
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
 
     def append_token(self, token_id: int):
         "Add a generated token; its KV is computed by the next step."
@@ -340,35 +706,54 @@ class Sequence:
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         "A child with the same tokens and progress; the BlockManager shares its blocks separately (`BlockManager.fork`)."
-        return Sequence(seq_id, self.request_id, list(self.token_ids), self.num_prompt_tokens, self.params, index,
-                        self.arrival_time, self.priority, self.status, [], list(self.block_hashes),
-                        self.num_computed_tokens, self.num_cached_tokens)
+        return Sequence(
+            seq_id,
+            self.request_id,
+            list(self.token_ids),
+            self.num_prompt_tokens,
+            self.params,
+            index,
+            self.arrival_time,
+            self.priority,
+            self.status,
+            [],
+            list(self.block_hashes),
+            self.num_computed_tokens,
+            self.num_cached_tokens,
+        )
+
 
 # %% ../nbs/00_core.ipynb #62ae70b2
 @dataclass
 class Logprob:
     "Log-probability of one candidate token at one position."
+
     logprob: float
-    rank: int | None = None             # 1 is the most likely token
+    rank: int | None = None  # 1 is the most likely token
     decoded_token: str | None = None
+
 
 @dataclass
 class CompletionOutput:
     "One of a request's n completions, as generated so far."
+
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None    # stop | length | abort | error, None while running
+    finish_reason: str | None = None  # stop | length | abort | error, None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
 
     @property
-    def finished(self) -> bool: return self.finish_reason is not None
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestMetrics:
     "Wall-clock times of one request (time.monotonic seconds)."
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -376,21 +761,27 @@ class RequestMetrics:
     finished_time: float | None = None
 
     @property
-    def ttft(self) -> float | None: return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
 
 @dataclass
 class RequestOutput:
     "What the engine returns for one request: its prompt and its completions so far."
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
-    error: str | None = None            # one line saying why, when the request failed (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # one line saying why, when the request failed (finish_reason "error")
 
     def __repr__(self) -> str:
-        outs = "; ".join(f"[{o.index}] {o.text!r} ({len(o.token_ids)} tok, {o.finish_reason})" for o in self.outputs)
+        outs = "; ".join(
+            f"[{o.index}] {o.text!r} ({len(o.token_ids)} tok, {o.finish_reason})"
+            for o in self.outputs
+        )
         err = f", error={self.error!r}" if self.error else ""
         return f"RequestOutput({self.request_id!r}, prompt={self.prompt!r}, finished={self.finished}{err}: {outs})"

@@ -4,57 +4,92 @@
 
 # %% ../nbs/08_demo_model.ipynb #7bbd4eff
 from __future__ import annotations
-import random, re, time, zlib
+import random
+import re
+import time
+import zlib
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['LETTERS', 'TASKS', 'MIN_LEN', 'MAX_LEN', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE', 'is_held_out', 'solve', 'make_example',
-           'check_answer', 'format_prompt', 'demo_prompts', 'question_of', 'run_demo', 'DEMO_MODEL_DIR']
+__all__ = [
+    "LETTERS",
+    "TASKS",
+    "MIN_LEN",
+    "MAX_LEN",
+    "SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
+    "is_held_out",
+    "solve",
+    "make_example",
+    "check_answer",
+    "format_prompt",
+    "demo_prompts",
+    "question_of",
+    "run_demo",
+    "DEMO_MODEL_DIR",
+]
 
 # %% ../nbs/08_demo_model.ipynb #184f43a2
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 TASKS = ("reverse", "sort")
-MIN_LEN, MAX_LEN = 3, 8   # letters per example
+MIN_LEN, MAX_LEN = 3, 8  # letters per example
+
 
 def is_held_out(letters: str) -> bool:
     "True for the fixed tenth of all letter strings that training never sees."
     return zlib.crc32(letters.encode()) % 10 == 0
 
+
 def solve(task: str, letters: str) -> str:
     "The right answer to `task` on `letters`, without spaces."
-    if task not in TASKS: raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     return letters[::-1] if task == "reverse" else "".join(sorted(letters))
 
+
 # %% ../nbs/08_demo_model.ipynb #915f0e77
-def make_example(rng: random.Random,    # the only source of randomness, so a seed fixes the corpus
-                 held_out: bool = False # draw from the held-out tenth instead of the training strings
-                ) -> tuple[str, str]:
+def make_example(
+    rng: random.Random,  # the only source of randomness, so a seed fixes the corpus
+    held_out: bool = False,  # draw from the held-out tenth instead of the training strings
+) -> tuple[str, str]:
     "One (question, answer) pair, e.g. ('reverse: d a c b', 'b c a d')."
     while True:
         task = rng.choice(TASKS)
         letters = "".join(rng.choice(LETTERS) for _ in range(rng.randint(MIN_LEN, MAX_LEN)))
-        if is_held_out(letters) == held_out: return f"{task}: {' '.join(letters)}", " ".join(solve(task, letters))
+        if is_held_out(letters) == held_out:
+            return f"{task}: {' '.join(letters)}", " ".join(solve(task, letters))
+
 
 # %% ../nbs/08_demo_model.ipynb #fef864d1
 _QUESTION = re.compile(r"(reverse|sort): ((?:[a-z] )*[a-z])")
 
-def check_answer(prompt: str,     # the question, bare or inside a chat-formatted prompt
-                 completion: str  # what the model wrote
-                ) -> bool:
+
+def check_answer(
+    prompt: str,  # the question, bare or inside a chat-formatted prompt
+    completion: str,  # what the model wrote
+) -> bool:
     "Whether `completion` is the right answer to the (last) question in `prompt`."
     found = _QUESTION.findall(prompt)
-    if not found: raise ValueError(f"prompt holds no question of the form 'reverse: a b c' or 'sort: a b c': {prompt!r}")
+    if not found:
+        raise ValueError(
+            f"prompt holds no question of the form 'reverse: a b c' or 'sort: a b c': {prompt!r}"
+        )
     task, spaced = found[-1]
     return completion.strip() == " ".join(solve(task, spaced.replace(" ", "")))
 
+
 # %% ../nbs/08_demo_model.ipynb #7e66fb70
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 def format_prompt(question: str) -> str:
     "The chat-template rendering of one user turn plus the generation prompt, ready for `LLM.generate`."
     return f"<|bos|><|user|>{question}<|eos|><|assistant|>"
+
 
 # %% ../nbs/08_demo_model.ipynb #f6bd094b
 def demo_prompts(n: int = 16, seed: int = 1234) -> list[str]:
@@ -62,9 +97,16 @@ def demo_prompts(n: int = 16, seed: int = 1234) -> list[str]:
     rng = random.Random(seed)
     return [format_prompt(make_example(rng, held_out=True)[0]) for _ in range(n)]
 
+
 # %% ../nbs/08_demo_model.ipynb #b713e4b9
-from .core import DEMO_MODEL_DIR   # the shipped checkpoint's folder, next to the package's code (defined in core)
-_all_ = ["DEMO_MODEL_DIR"]   # re-exported: `from hetero_infer.demo import DEMO_MODEL_DIR` keeps working
+from hetero_infer.core import (
+    DEMO_MODEL_DIR,
+)  # the shipped checkpoint's folder, next to the package's code (defined in core)
+
+_all_ = [
+    "DEMO_MODEL_DIR"
+]  # re-exported: `from hetero_infer.demo import DEMO_MODEL_DIR` keeps working
+
 
 # %% ../nbs/08_demo_model.ipynb #0f2591aa
 def question_of(prompt: str) -> str:
@@ -72,28 +114,43 @@ def question_of(prompt: str) -> str:
     m = re.search(r"<\|user\|>(.*?)<\|eos\|>", prompt)
     return m[1] if m else prompt
 
+
 # %% ../nbs/08_demo_model.ipynb #dacb62f9
-def run_demo(n: int = 16,                 # held-out prompts to answer
-             seed: int = 1234,            # which held-out prompts
-             model: str | Path | None = None,  # checkpoint directory; None is the shipped demo model
-             max_tokens: int = 16,        # longest answer (the longest right one is 9 tokens with EOS)
-             use_tqdm: bool = True,       # show the engine's progress bar
-             **engine_kwargs              # passed to `LLM`, e.g. dtype=..., block_size=...
-            ) -> dict:
+def run_demo(
+    n: int = 16,  # held-out prompts to answer
+    seed: int = 1234,  # which held-out prompts
+    model: str | Path | None = None,  # checkpoint directory; None is the shipped demo model
+    max_tokens: int = 16,  # longest answer (the longest right one is 9 tokens with EOS)
+    use_tqdm: bool = True,  # show the engine's progress bar
+    **engine_kwargs,  # passed to `LLM`, e.g. dtype=..., block_size=...
+) -> dict:
     "Answer `n` held-out prompts greedily with `LLM`, print each with right/wrong, accuracy and throughput; return the figures."
-    from hetero_infer.engine import LLM   # imported here: the engine imports torch and the model code
+    from hetero_infer.engine import (
+        LLM,
+    )  # imported here: the engine imports torch and the model code
     from hetero_infer.core import SamplingParams
-    llm = LLM(model, **engine_kwargs)     # model=None: the shipped demo model
+
+    llm = LLM(model, **engine_kwargs)  # model=None: the shipped demo model
     prompts = demo_prompts(n, seed)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=use_tqdm)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=use_tqdm
+    )
     seconds = time.perf_counter() - t0
     right = [check_answer(p, o.outputs[0].text) for p, o in zip(prompts, outs)]
     for p, o, r in zip(prompts, outs, right):
         print(f"{question_of(p):28} -> {o.outputs[0].text.strip():18} {'right' if r else 'WRONG'}")
     n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = dict(n=n, right=sum(right), accuracy=sum(right) / n, seconds=seconds, output_tokens=n_tokens,
-               tokens_per_s=n_tokens / seconds)
-    print(f"accuracy {res['right']}/{n} = {res['accuracy']:.1%};  {n_tokens} tokens in {seconds:.2f}s = "
-          f"{res['tokens_per_s']:.0f} output tokens/s")
+    res = dict(
+        n=n,
+        right=sum(right),
+        accuracy=sum(right) / n,
+        seconds=seconds,
+        output_tokens=n_tokens,
+        tokens_per_s=n_tokens / seconds,
+    )
+    print(
+        f"accuracy {res['right']}/{n} = {res['accuracy']:.1%};  {n_tokens} tokens in {seconds:.2f}s = "
+        f"{res['tokens_per_s']:.0f} output tokens/s"
+    )
     return res

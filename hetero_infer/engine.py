@@ -4,7 +4,10 @@
 
 # %% ../nbs/07_engine.ipynb #989f8c98
 from __future__ import annotations
-import dataclasses, itertools, os, time
+import dataclasses
+import itertools
+import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,8 +16,17 @@ from typing import Iterable, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from .core import (EngineConfig, SamplingParams, Sequence, SequenceStatus, CompletionOutput,
-                               RequestOutput, RequestMetrics, Logprob, DEMO_MODEL_DIR)
+from hetero_infer.core import (
+    EngineConfig,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    CompletionOutput,
+    RequestOutput,
+    RequestMetrics,
+    Logprob,
+    DEMO_MODEL_DIR,
+)
 from .block_manager import BlockManager
 from .scheduler import Scheduler, SchedulerOutput
 from .model import ModelRunner, dtype_name
@@ -23,55 +35,93 @@ from .sampler import Sampler
 from .speculative import Speculator
 
 # %% auto #0
-__all__ = ['TOKENIZER_FILES', 'PROMPT_KEYS', 'IncrementalDetokenizer', 'load_tokenizer', 'find_stop_string', 'LLMEngine',
-           'add_request', 'step', 'abort_request', 'has_unfinished_requests', 'get_num_unfinished_requests', 'close',
-           'stats', 'EngineStepError', 'as_prompt_list', 'engine_kwargs', 'LLM']
+__all__ = [
+    "TOKENIZER_FILES",
+    "PROMPT_KEYS",
+    "IncrementalDetokenizer",
+    "load_tokenizer",
+    "find_stop_string",
+    "LLMEngine",
+    "add_request",
+    "step",
+    "abort_request",
+    "has_unfinished_requests",
+    "get_num_unfinished_requests",
+    "close",
+    "stats",
+    "EngineStepError",
+    "as_prompt_list",
+    "engine_kwargs",
+    "LLM",
+]
+
 
 # %% ../nbs/07_engine.ipynb #0cd57833
 class IncrementalDetokenizer:
     "Turns a growing list of token ids into text a few tokens at a time."
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True, context: int = 5):
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        context: int = 5,
+    ):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.ids = list(prompt_token_ids[-context:])   # a little left context, never emitted
+        self.ids = list(prompt_token_ids[-context:])  # a little left context, never emitted
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.text = ""
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False
+        )
 
     def add(self, token_id: int) -> str:
         "Append one token; return the text it completes (maybe empty)."
         self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset:])
-        if len(after) <= len(before) or after.endswith("\ufffd"): return ""
-        delta = after[len(before):]
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
 
+
 # %% ../nbs/07_engine.ipynb #a36760bc
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
-def load_tokenizer(path: str | Path | None,
-                   required: bool = False):  # True for a tokenizer the user named: a directory without one is an error
+
+def load_tokenizer(
+    path: str | Path | None, required: bool = False
+):  # True for a tokenizer the user named: a directory without one is an error
     "The HF tokenizer in `path`, or None when the directory has none (prompts must then be token ids)."
     from transformers import AutoTokenizer
+
     p = Path(path) if path is not None else None
     if p is None or not any((p / f).exists() for f in TOKENIZER_FILES):
-        if required: raise ValueError(f"tokenizer: {str(path)!r} is not a directory holding a tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+        if required:
+            raise ValueError(
+                f"tokenizer: {str(path)!r} is not a directory holding a tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+            )
         return None
     return AutoTokenizer.from_pretrained(str(p))
+
 
 # %% ../nbs/07_engine.ipynb #0a87681e
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
     "The first stop string in `text` that overlaps its last `new_len` characters, and where it starts."
-    if not stops or new_len == 0: return None
+    if not stops or new_len == 0:
+        return None
     best = None
     for s in stops:
         i = text.find(s, max(0, len(text) - new_len - len(s) + 1))
-        if i >= 0 and (best is None or i < best[1]): best = (s, i)
+        if i >= 0 and (best is None or i < best[1]):
+            best = (s, i)
     return best
+
 
 # %% ../nbs/07_engine.ipynb #ac5819d8
 @dataclass
@@ -82,233 +132,371 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-    detok: dict = field(default_factory=dict)        # seq_id -> IncrementalDetokenizer
-    text: dict = field(default_factory=dict)         # seq_id -> text so far (stop string cut)
-    logprobs: dict = field(default_factory=dict)     # seq_id -> list of {token: Logprob}
+    detok: dict = field(default_factory=dict)  # seq_id -> IncrementalDetokenizer
+    text: dict = field(default_factory=dict)  # seq_id -> text so far (stop string cut)
+    logprobs: dict = field(default_factory=dict)  # seq_id -> list of {token: Logprob}
     cum_logprob: dict = field(default_factory=dict)  # seq_id -> float
     stop_reason: dict = field(default_factory=dict)  # seq_id -> stop token id or string
     finished: bool = False
-    failures: int = 0                                # steps with this request in them that raised
-    error: str | None = None                         # set when it failed for good: finish_reason "error"
+    failures: int = 0  # steps with this request in them that raised
+    error: str | None = None  # set when it failed for good: finish_reason "error"
+
 
 # %% ../nbs/07_engine.ipynb #08b37856
 class LLMEngine:
     "The step loop over scheduler, model runner and sampler."
+
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         config = dataclasses.replace(config or EngineConfig(), **kwargs)
-        if config.model is None: config = dataclasses.replace(config, model=str(DEMO_MODEL_DIR))
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model, required=config.tokenizer is not None)
-        self.runner = make_runner(config)                  # a ModelRunner; rank 0 of a group when tensor_parallel_size > 1
-        self.config = config = dataclasses.replace(config, max_model_len=self.runner.max_model_len, num_blocks=self.runner.num_blocks)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.model is None:
+            config = dataclasses.replace(config, model=str(DEMO_MODEL_DIR))
+        self.tokenizer = load_tokenizer(
+            config.tokenizer or config.model, required=config.tokenizer is not None
+        )
+        self.runner = make_runner(
+            config
+        )  # a ModelRunner; rank 0 of a group when tensor_parallel_size > 1
+        self.config = config = dataclasses.replace(
+            config, max_model_len=self.runner.max_model_len, num_blocks=self.runner.num_blocks
+        )
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
-        self.speculator = (Speculator(config, self.runner.model.config.vocab_size, self.eos_token_ids)   # 12_speculative_decoding
-                           if config.speculative_method else None)
+        self.speculator = (
+            Speculator(
+                config, self.runner.model.config.vocab_size, self.eos_token_ids
+            )  # 12_speculative_decoding
+            if config.speculative_method
+            else None
+        )
         self.requests: dict[str, _Request] = {}
         self._finished_aborts: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self.counters = Counter()
-        self.last_error: BaseException | None = None   # the latest exception a step raised (and recovered from)
-        self.stream_outputs = True                      # False: step() returns only finished requests' outputs
+        self.last_error: BaseException | None = (
+            None  # the latest exception a step raised (and recovered from)
+        )
+        self.stream_outputs = True  # False: step() returns only finished requests' outputs
 
     def _eos_ids(self) -> set[int]:
         "End-of-sequence ids: the union of generation_config.json's, config.json's and the tokenizer's (as vLLM stops)."
         import json
+
         ids = []
         for name in ("generation_config.json", "config.json"):
             p = Path(self.config.model) / name
             v = json.loads(p.read_text()).get("eos_token_id") if p.exists() else None
-            if v is not None: ids += v if isinstance(v, list) else [v]
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None: ids.append(self.tokenizer.eos_token_id)
+            if v is not None:
+                ids += v if isinstance(v, list) else [v]
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
         return set(int(i) for i in ids)
+
 
 # %% ../nbs/07_engine.ipynb #a897e336
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
 
 def _tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
     "Text and token ids of one prompt: a string, token ids, {'prompt': text} or {'prompt_token_ids': ids} (vLLM's forms)."
     if isinstance(prompt, dict):
         extra = sorted(set(prompt) - set(PROMPT_KEYS))
-        if extra or not prompt: raise ValueError(f"prompt dict must have 'prompt' or 'prompt_token_ids' (and nothing else), got keys {sorted(prompt)}")
-        if "prompt_token_ids" not in prompt: return _tokenize(self, prompt["prompt"])
+        if extra or not prompt:
+            raise ValueError(
+                f"prompt dict must have 'prompt' or 'prompt_token_ids' (and nothing else), got keys {sorted(prompt)}"
+            )
+        if "prompt_token_ids" not in prompt:
+            return _tokenize(self, prompt["prompt"])
         if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt['prompt_token_ids']).__name__}")
+            raise ValueError(
+                f"prompt_token_ids must be a list of token ids, got {type(prompt['prompt_token_ids']).__name__}"
+            )
         text, ids = _tokenize(self, list(prompt["prompt_token_ids"]))
         return prompt.get("prompt"), ids
     if isinstance(prompt, str):
-        if self.tokenizer is None: raise ValueError("prompt: this model directory has no tokenizer; pass token ids instead of text")
+        if self.tokenizer is None:
+            raise ValueError(
+                "prompt: this model directory has no tokenizer; pass token ids instead of text"
+            )
         return prompt, self.tokenizer.encode(prompt)
     ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
     if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict with 'prompt'/'prompt_token_ids', got {type(prompt).__name__}")
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict with 'prompt'/'prompt_token_ids', got {type(prompt).__name__}"
+        )
     return None, ids
 
-def add_request(self: LLMEngine, request_id: str, prompt, params: SamplingParams | None = None,
-                arrival_time: float | None = None, priority: int = 0) -> None:
+
+def add_request(
+    self: LLMEngine,
+    request_id: str,
+    prompt,
+    params: SamplingParams | None = None,
+    arrival_time: float | None = None,
+    priority: int = 0,
+) -> None:
     "Queue a request: `prompt` is text or token ids."
     params = params or SamplingParams()
-    if not isinstance(params, SamplingParams): raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-    if request_id in self.requests: raise ValueError(f"request_id {request_id!r} is already in use")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    if request_id in self.requests:
+        raise ValueError(f"request_id {request_id!r} is already in use")
     text, ids = _tokenize(self, prompt)
     vocab = self.runner.model.config.vocab_size
-    if not ids: raise ValueError("prompt must not be empty")
-    if min(ids) < 0 or max(ids) >= vocab: raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
     if len(ids) >= self.config.max_model_len:
-        raise ValueError(f"prompt is {len(ids)} tokens, but max_model_len is {self.config.max_model_len} (prompt + at least one generated token must fit)")
+        raise ValueError(
+            f"prompt is {len(ids)} tokens, but max_model_len is {self.config.max_model_len} (prompt + at least one generated token must fit)"
+        )
     now = time.monotonic() if arrival_time is None else arrival_time
     seq = Sequence(next(self._seq_ids), request_id, ids, len(ids), params, 0, now, priority)
-    self.scheduler.add(seq)   # raises ValueError when it can never fit the cache
+    self.scheduler.add(seq)  # raises ValueError when it can never fit the cache
     req = _Request(request_id, text, ids, params, [seq], RequestMetrics(now))
     self._track(req, seq)
     self.requests[request_id] = req
-    self.counters["requests"] += 1; self.counters["prompt_tokens"] += len(ids)
+    self.counters["requests"] += 1
+    self.counters["prompt_tokens"] += len(ids)
+
 
 def _track(self: LLMEngine, req: _Request, seq: Sequence) -> None:
     "Start the per-sequence text state of `seq`."
-    if self.tokenizer is not None and req.params.detokenize:                 # no text asked for: no detokenizer at all
-        req.detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, req.params.skip_special_tokens)
+    if (
+        self.tokenizer is not None and req.params.detokenize
+    ):  # no text asked for: no detokenizer at all
+        req.detok[seq.seq_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, req.params.skip_special_tokens
+        )
     req.text[seq.seq_id], req.logprobs[seq.seq_id], req.cum_logprob[seq.seq_id] = "", [], 0.0
 
+
 LLMEngine.add_request, LLMEngine._track = add_request, _track
+
 
 # %% ../nbs/07_engine.ipynb #a68c2fda
 def step(self: LLMEngine) -> list[RequestOutput]:
     "Run one engine step; return the outputs of the requests it advanced (and of those aborted or failed since the last step)."
     outputs, self._finished_aborts = self._finished_aborts, []
     spec = self.speculator
-    if spec is not None: spec.propose(self._spec_candidates())   # proposals join the decodes' token_ids
+    if spec is not None:
+        spec.propose(self._spec_candidates())  # proposals join the decodes' token_ids
     sched = self.scheduler.schedule()
-    if spec is not None: spec.fit(sched)                    # keep the proposals the step has room for
-    if not sched.scheduled: return outputs
-    sampling = [it.seq for it in sched.scheduled if it.seq.num_computed_tokens + it.num_tokens == len(it.seq)]
+    if spec is not None:
+        spec.fit(sched)  # keep the proposals the step has room for
+    if not sched.scheduled:
+        return outputs
+    sampling = [
+        it.seq
+        for it in sched.scheduled
+        if it.seq.num_computed_tokens + it.num_tokens == len(it.seq)
+    ]
     verifying = [s for s in sampling if s.num_spec_tokens]
     try:
-        logits = self.runner.execute(sched)                 # (rows, vocab): one per sampling sequence, k + 1 for one verifying k proposals
-        if verifying: logits, verified = self._verify(logits, sampling, verifying)
+        logits = self.runner.execute(
+            sched
+        )  # (rows, vocab): one per sampling sequence, k + 1 for one verifying k proposals
+        if verifying:
+            logits, verified = self._verify(logits, sampling, verifying)
         rows, seqs = self._plan_forks([s for s in sampling if not s.num_spec_tokens])
-        out = self.sampler(logits[rows] if rows != list(range(len(rows))) else logits, seqs) if seqs else None
-    except Exception as e:                                  # nothing has advanced: retry the step's requests, or fail them
-        if spec is not None: spec.abandon()
+        out = (
+            self.sampler(logits[rows] if rows != list(range(len(rows))) else logits, seqs)
+            if seqs
+            else None
+        )
+    except Exception as e:  # nothing has advanced: retry the step's requests, or fail them
+        if spec is not None:
+            spec.abandon()
         return outputs + self._step_failed(sched, e)
-    if verifying: spec.rewind(sched, verifying, [v[0] for v in verified])
-    self.scheduler.update(sched)                            # the KV is written: advance, and let its full blocks be cached
-    if verifying: spec.settle(self.block_manager, verifying, [v[0] for v in verified])
+    if verifying:
+        spec.rewind(sched, verifying, [v[0] for v in verified])
+    self.scheduler.update(sched)  # the KV is written: advance, and let its full blocks be cached
+    if verifying:
+        spec.settle(self.block_manager, verifying, [v[0] for v in verified])
     seqs = self._commit_forks(seqs)
     now = time.monotonic()
     for it in sched.scheduled:
         m = self.requests[it.seq.request_id].metrics
-        if m.first_scheduled_time is None: m.first_scheduled_time = now
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = now
     touched, emitted = {}, len(seqs)
     for i, seq in enumerate(seqs):
         req = self.requests[seq.request_id]
         self._append(req, seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
         touched[req.request_id] = req
-    for seq, (toks, lps, tops) in (zip(verifying, verified) if verifying else ()):
+    for seq, (toks, lps, tops) in zip(verifying, verified) if verifying else ():
         req = touched[seq.request_id] = self.requests[seq.request_id]
-        for t, lp, top in zip(toks, lps, tops):             # each token through the stop checks: nothing after a stop
-            self._append(req, seq, t, lp, top); emitted += 1
-            if seq.finished: break
-    self.counters["steps"] += 1; self.counters["generation_tokens"] += emitted
-    if spec is not None and not self.scheduler.running: spec.proposer.drop(set())   # the draft's cache empties with the engine
+        for t, lp, top in zip(
+            toks, lps, tops
+        ):  # each token through the stop checks: nothing after a stop
+            self._append(req, seq, t, lp, top)
+            emitted += 1
+            if seq.finished:
+                break
+    self.counters["steps"] += 1
+    self.counters["generation_tokens"] += emitted
+    if spec is not None and not self.scheduler.running:
+        spec.proposer.drop(set())  # the draft's cache empties with the engine
     self.counters["batched_tokens"] += sched.num_batched_tokens
-    return outputs + [self._output(r) for r in touched.values() if self.stream_outputs or r.finished]
+    return outputs + [
+        self._output(r) for r in touched.values() if self.stream_outputs or r.finished
+    ]
+
 
 def _plan_forks(self: LLMEngine, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
     "Rows of the logits to sample and the sequences they are for, with n - 1 new children of n > 1 requests at their first token."
     rows, seqs = [], []
     for i, seq in enumerate(sampling):
-        rows.append(i); seqs.append(seq)
+        rows.append(i)
+        seqs.append(seq)
         req = self.requests[seq.request_id]
         if req.params.n > 1 and seq.num_output_tokens == 0 and len(req.seqs) == 1:
-            for k in range(1, req.params.n): rows.append(i); seqs.append(seq.fork(next(self._seq_ids), index=k))
+            for k in range(1, req.params.n):
+                rows.append(i)
+                seqs.append(seq.fork(next(self._seq_ids), index=k))
     return rows, seqs
+
 
 def _commit_forks(self: LLMEngine, seqs: list[Sequence]) -> list[Sequence]:
     "After a successful step: fork the planned children for real (from the advanced parent) and hand them to the scheduler."
     done, parents = [], {}
     for seq in seqs:
         req = self.requests[seq.request_id]
-        if seq.index == 0 or seq in req.seqs: parents[seq.request_id] = seq; done.append(seq); continue
+        if seq.index == 0 or seq in req.seqs:
+            parents[seq.request_id] = seq
+            done.append(seq)
+            continue
         parent = parents[seq.request_id]
-        child = parent.fork(seq.seq_id, index=seq.index)      # same id as the one sampled for
+        child = parent.fork(seq.seq_id, index=seq.index)  # same id as the one sampled for
         self.scheduler.fork(parent, child)
-        req.seqs.append(child); self._track(req, child); done.append(child)
+        req.seqs.append(child)
+        self._track(req, child)
+        done.append(child)
     return done
+
 
 def _step_failed(self: LLMEngine, sched: SchedulerOutput, err: Exception) -> list[RequestOutput]:
     "A step raised before anything advanced: its requests run again next step, or, past `max_retry_attempts`, end with an error."
     self.last_error = err
     self.counters["failed_steps"] += 1
-    limit, msg = self.config.max_retry_attempts, (f"{type(err).__name__}: {err}".splitlines() or [""])[0]
+    limit, msg = (
+        self.config.max_retry_attempts,
+        (f"{type(err).__name__}: {err}".splitlines() or [""])[0],
+    )
     outs = []
     for rid in dict.fromkeys(it.seq.request_id for it in sched.scheduled):
         req = self.requests[rid]
         req.failures += 1
-        if req.failures <= limit: self.counters["retries"] += 1; continue
+        if req.failures <= limit:
+            self.counters["retries"] += 1
+            continue
         req.error = f"the engine step failed {req.failures} times (max_retry_attempts={limit}); last error: {msg}"
-        for seq in self.scheduler.abort(rid): seq.status = SequenceStatus.FINISHED_ERROR   # blocks freed, nothing cached
+        for seq in self.scheduler.abort(rid):
+            seq.status = SequenceStatus.FINISHED_ERROR  # blocks freed, nothing cached
         req.finished, req.metrics.finished_time = True, time.monotonic()
         self.counters["failed"] += 1
         outs.append(self._output(req))
     return outs
 
+
 def _spec_candidates(self: LLMEngine) -> list[Sequence]:
     "Running sequences that may speculate: decoding (one token to compute) past their first output, with every fork of their request made."
-    return [s for s in self.scheduler.running if s.num_computed_tokens == len(s.token_ids) - 1 and s.num_output_tokens >= 1
-            and len(self.requests[s.request_id].seqs) == s.params.n]
+    return [
+        s
+        for s in self.scheduler.running
+        if s.num_computed_tokens == len(s.token_ids) - 1
+        and s.num_output_tokens >= 1
+        and len(self.requests[s.request_id].seqs) == s.params.n
+    ]
 
-def _verify(self: LLMEngine, logits: torch.Tensor, sampling: list[Sequence], verifying: list[Sequence]):
+
+def _verify(
+    self: LLMEngine, logits: torch.Tensor, sampling: list[Sequence], verifying: list[Sequence]
+):
     "Split the step's logits: the verifying sequences' rows go to the speculator; the plain rows (one per other sequence) stay."
     first, plain, spec_rows = 0, [], []
     for s in sampling:
-        if s.num_spec_tokens: spec_rows += range(first, first + s.num_spec_tokens + 1)
-        else: plain.append(first)
+        if s.num_spec_tokens:
+            spec_rows += range(first, first + s.num_spec_tokens + 1)
+        else:
+            plain.append(first)
         first += s.num_spec_tokens + 1
     dev = logits.device
-    verified = self.speculator.verify(self.sampler, logits[torch.tensor(spec_rows, device=dev)], verifying)
+    verified = self.speculator.verify(
+        self.sampler, logits[torch.tensor(spec_rows, device=dev)], verifying
+    )
     return logits[torch.tensor(plain, dtype=torch.long, device=dev)], verified
 
-LLMEngine.step, LLMEngine._plan_forks, LLMEngine._commit_forks, LLMEngine._step_failed = step, _plan_forks, _commit_forks, _step_failed
+
+LLMEngine.step, LLMEngine._plan_forks, LLMEngine._commit_forks, LLMEngine._step_failed = (
+    step,
+    _plan_forks,
+    _commit_forks,
+    _step_failed,
+)
 LLMEngine._spec_candidates, LLMEngine._verify = _spec_candidates, _verify
 
+
 # %% ../nbs/07_engine.ipynb #b6c290f1
-def _append(self: LLMEngine, req: _Request, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
+def _append(
+    self: LLMEngine, req: _Request, seq: Sequence, token: int, logprob: float, top: dict | None
+) -> None:
     p, now = req.params, time.monotonic()
     seq.append_token(token)
-    if req.metrics.first_token_time is None: req.metrics.first_token_time = now
+    if req.metrics.first_token_time is None:
+        req.metrics.first_token_time = now
     req.metrics.last_token_time = now
     req.cum_logprob[seq.seq_id] += logprob
     if top is not None:
         if self.tokenizer is not None and p.detokenize:
-            top = {t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t])) for t, lp in top.items()}
+            top = {
+                t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t]))
+                for t, lp in top.items()
+            }
         req.logprobs[seq.seq_id].append(top)
     n_out, can_stop = seq.num_output_tokens, seq.num_output_tokens >= p.min_tokens
     status, reason = None, None
-    if can_stop and not p.ignore_eos and token in self.eos_token_ids: status = SequenceStatus.FINISHED_STOPPED
-    elif can_stop and token in p.stop_token_ids: status, reason = SequenceStatus.FINISHED_STOPPED, token
-    if (status is None or p.include_stop_str_in_output) and seq.seq_id in req.detok:   # a stop token's text only when asked
+    if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+        status = SequenceStatus.FINISHED_STOPPED
+    elif can_stop and token in p.stop_token_ids:
+        status, reason = SequenceStatus.FINISHED_STOPPED, token
+    if (
+        status is None or p.include_stop_str_in_output
+    ) and seq.seq_id in req.detok:  # a stop token's text only when asked
         old = req.text[seq.seq_id]
-        delta = req.detok[seq.seq_id].add(token)                # a special token is empty under skip_special_tokens
+        delta = req.detok[seq.seq_id].add(
+            token
+        )  # a special token is empty under skip_special_tokens
         text = old + delta
         hit = find_stop_string(text, len(delta), p.stop) if can_stop and status is None else None
         if hit:
             s, i = hit
-            text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
+            text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
             status, reason = SequenceStatus.FINISHED_STOPPED, s
         req.text[seq.seq_id] = text
-    if status is None and p.max_tokens is not None and n_out >= p.max_tokens: status = SequenceStatus.FINISHED_LENGTH
-    if status is None and len(seq) >= self.config.max_model_len: status = SequenceStatus.FINISHED_LENGTH
-    if status is not None: self._finish_seq(req, seq, status, reason)
+    if status is None and p.max_tokens is not None and n_out >= p.max_tokens:
+        status = SequenceStatus.FINISHED_LENGTH
+    if status is None and len(seq) >= self.config.max_model_len:
+        status = SequenceStatus.FINISHED_LENGTH
+    if status is not None:
+        self._finish_seq(req, seq, status, reason)
 
-def _finish_seq(self: LLMEngine, req: _Request, seq: Sequence, status: SequenceStatus, reason=None) -> None:
+
+def _finish_seq(
+    self: LLMEngine, req: _Request, seq: Sequence, status: SequenceStatus, reason=None
+) -> None:
     self.scheduler.finish(seq, status)
     req.stop_reason[seq.seq_id] = reason
     if all(s.finished for s in req.seqs) and len(req.seqs) == req.params.n:
         req.finished, req.metrics.finished_time = True, time.monotonic()
 
+
 LLMEngine._append, LLMEngine._finish_seq = _append, _finish_seq
+
 
 # %% ../nbs/07_engine.ipynb #cc253e04
 def _output(self: LLMEngine, req: _Request) -> RequestOutput:
@@ -316,122 +504,219 @@ def _output(self: LLMEngine, req: _Request) -> RequestOutput:
     outs = []
     for seq in sorted(req.seqs, key=lambda s: s.index):
         text = req.text[seq.seq_id]
-        if not seq.finished and hold: text = text[:max(0, len(text) - hold)]
-        outs.append(CompletionOutput(seq.index, text, list(seq.output_token_ids), req.cum_logprob[seq.seq_id],
-                                     req.logprobs[seq.seq_id] if req.params.logprobs is not None else None,
-                                     seq.status.finish_reason, req.stop_reason.get(seq.seq_id)))
-    if req.finished: del self.requests[req.request_id]
+        if not seq.finished and hold:
+            text = text[: max(0, len(text) - hold)]
+        outs.append(
+            CompletionOutput(
+                seq.index,
+                text,
+                list(seq.output_token_ids),
+                req.cum_logprob[seq.seq_id],
+                req.logprobs[seq.seq_id] if req.params.logprobs is not None else None,
+                seq.status.finish_reason,
+                req.stop_reason.get(seq.seq_id),
+            )
+        )
+    if req.finished:
+        del self.requests[req.request_id]
     cached = max(s.num_cached_tokens for s in req.seqs)
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics, cached, error=req.error)
+    return RequestOutput(
+        req.request_id,
+        req.prompt,
+        req.prompt_token_ids,
+        outs,
+        req.finished,
+        req.metrics,
+        cached,
+        error=req.error,
+    )
+
 
 def abort_request(self: LLMEngine, request_id: str | Iterable[str]) -> None:
     "Stop requests now and free their blocks; their final outputs (finish_reason 'abort') come with the next step."
     for rid in [request_id] if isinstance(request_id, str) else list(request_id):
         req = self.requests.get(rid)
-        if req is None: continue
+        if req is None:
+            continue
         self.scheduler.abort(rid)
         for seq in req.seqs:
-            if not seq.finished: seq.status = SequenceStatus.FINISHED_ABORTED
+            if not seq.finished:
+                seq.status = SequenceStatus.FINISHED_ABORTED
         req.finished, req.metrics.finished_time = True, time.monotonic()
         self.counters["aborted"] += 1
         self._finished_aborts.append(self._output(req))
 
-def has_unfinished_requests(self: LLMEngine) -> bool: return bool(self.requests) or bool(self._finished_aborts)
-def get_num_unfinished_requests(self: LLMEngine) -> int: return len(self.requests)
+
+def has_unfinished_requests(self: LLMEngine) -> bool:
+    return bool(self.requests) or bool(self._finished_aborts)
+
+
+def get_num_unfinished_requests(self: LLMEngine) -> int:
+    return len(self.requests)
+
 
 def close(self: LLMEngine) -> None:
     "Stop the runner's worker processes, if it has any (tensor parallelism); the engine cannot step afterwards."
-    if hasattr(self.runner, "close"): self.runner.close()
+    if hasattr(self.runner, "close"):
+        self.runner.close()
+
 
 @property
 def stats(self: LLMEngine) -> dict:
     "Counters since start, plus the current queue lengths and KV-cache usage."
     bs = self.block_manager.stats
-    return {**self.counters, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "kv_usage": self.block_manager.usage(), "num_blocks": self.config.num_blocks,
-            "preemptions": self.scheduler.stats.preemptions,
-            "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
-            **({"speculative": self.speculator.stats} if self.speculator is not None else {})}
+    return {
+        **self.counters,
+        "running": len(self.scheduler.running),
+        "waiting": len(self.scheduler.waiting),
+        "kv_usage": self.block_manager.usage(),
+        "num_blocks": self.config.num_blocks,
+        "preemptions": self.scheduler.stats.preemptions,
+        "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
+        **({"speculative": self.speculator.stats} if self.speculator is not None else {}),
+    }
+
 
 LLMEngine._output, LLMEngine.abort_request, LLMEngine.stats = _output, abort_request, stats
-LLMEngine.has_unfinished_requests, LLMEngine.get_num_unfinished_requests = has_unfinished_requests, get_num_unfinished_requests
+LLMEngine.has_unfinished_requests, LLMEngine.get_num_unfinished_requests = (
+    has_unfinished_requests,
+    get_num_unfinished_requests,
+)
 LLMEngine.close = close
+
 
 # %% ../nbs/07_engine.ipynb #4e8a084d
 class EngineStepError(RuntimeError):
     "Raised by `LLM.generate` when requests ended with finish_reason 'error'; `.outputs` holds every output of the call."
-    def __init__(self, msg: str, outputs: list[RequestOutput]): super().__init__(msg); self.outputs = outputs
+
+    def __init__(self, msg: str, outputs: list[RequestOutput]):
+        super().__init__(msg)
+        self.outputs = outputs
+
 
 def as_prompt_list(prompts) -> list:
     "vLLM's prompt forms as a list of single prompts: a string, token ids, a {'prompt'|'prompt_token_ids': ...} dict, or a list of any of them."
-    if isinstance(prompts, (str, dict)): return [prompts]
-    if isinstance(prompts, tuple): prompts = list(prompts)
-    if not isinstance(prompts, list): raise ValueError(f"prompts must be a string, token ids, a prompt dict or a list of them, got {type(prompts).__name__}")
-    if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool): return [prompts]   # one prompt of token ids
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, tuple):
+        prompts = list(prompts)
+    if not isinstance(prompts, list):
+        raise ValueError(
+            f"prompts must be a string, token ids, a prompt dict or a list of them, got {type(prompts).__name__}"
+        )
+    if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
+        return [prompts]  # one prompt of token ids
     return prompts
+
 
 def engine_kwargs(model, config: dict) -> dict:
     "`EngineConfig` fields from `LLM(...)` arguments, taking what vLLM takes: paths as `Path`, dtype aliases and torch dtypes, `seed=None`."
     out = {**config, "model": None if model is None else str(model)}
-    if isinstance(out.get("tokenizer"), Path): out["tokenizer"] = str(out["tokenizer"])
-    if "dtype" in out: out["dtype"] = dtype_name(out["dtype"])
-    if "seed" in out and out["seed"] is None: out["seed"] = int.from_bytes(os.urandom(4), "little")   # unseeded, as vLLM's seed=None
+    if isinstance(out.get("tokenizer"), Path):
+        out["tokenizer"] = str(out["tokenizer"])
+    if "dtype" in out:
+        out["dtype"] = dtype_name(out["dtype"])
+    if "seed" in out and out["seed"] is None:
+        out["seed"] = int.from_bytes(os.urandom(4), "little")  # unseeded, as vLLM's seed=None
     return out
+
 
 class LLM:
     "vLLM-shaped offline inference: `LLM(model).generate(prompts, SamplingParams(...))`."
+
     def __init__(self, model: str | Path | None = None, **config):
         self.engine = LLMEngine(EngineConfig(**engine_kwargs(model, config)))
         self._ids = itertools.count()
 
-    def get_tokenizer(self): return self.engine.tokenizer
+    def get_tokenizer(self):
+        return self.engine.tokenizer
 
     def close(self):
         "Stop the engine's worker processes (tensor parallelism, `13_tensor_parallel`); nothing to do for one process."
         self.engine.close()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         "Generate completions for `prompts` (see `as_prompt_list`); raises `EngineStepError` after the run if any request failed."
         prompts = as_prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts): raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+            )
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         try:
-            for rid, p, sp in zip(ids, prompts, params): self.engine.add_request(rid, p, sp)
+            for rid, p, sp in zip(ids, prompts, params):
+                self.engine.add_request(rid, p, sp)
             outs = self._run(ids, use_tqdm)
-        except BaseException:                    # a bad prompt, Ctrl-C, a bug: leave nothing of this call behind
-            self._drop(ids); raise
+        except BaseException:  # a bad prompt, Ctrl-C, a bug: leave nothing of this call behind
+            self._drop(ids)
+            raise
         failed = [o for o in outs if o.error]
-        if failed: raise EngineStepError(f"{len(failed)} of {len(outs)} requests failed: {failed[0].error}", outs) from self.engine.last_error
+        if failed:
+            raise EngineStepError(
+                f"{len(failed)} of {len(outs)} requests failed: {failed[0].error}", outs
+            ) from self.engine.last_error
         return outs
 
     def _drop(self, ids: list[str]):
         "Abort this call's requests that are still in the engine, and discard their abort outputs."
         self.engine.abort_request(ids)
         mine = set(ids)
-        self.engine._finished_aborts = [o for o in self.engine._finished_aborts if o.request_id not in mine]
+        self.engine._finished_aborts = [
+            o for o in self.engine._finished_aborts if o.request_id not in mine
+        ]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         "Generate replies to one conversation (a list of {role, content}) or a list of conversations."
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None): raise ValueError("messages: this model has no chat template")
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt) for c in convs]
-        prompts = [tok.encode(p, add_special_tokens=False) for p in prompts]   # the template already holds any BOS
+        prompts = [
+            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in convs
+        ]
+        prompts = [
+            tok.encode(p, add_special_tokens=False) for p in prompts
+        ]  # the template already holds any BOS
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done, t0, n_in, n_out = {}, time.perf_counter(), 0, 0
-        self.engine.stream_outputs = False          # nobody reads partial outputs here: build only the finished ones
+        self.engine.stream_outputs = (
+            False  # nobody reads partial outputs here: build only the finished ones
+        )
         try:
-            with tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            with tqdm(
+                total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
+            ) as bar:
                 while self.engine.has_unfinished_requests():
                     for o in self.engine.step():
-                        if not o.finished: continue
-                        done[o.request_id] = o; bar.update(1)
-                        n_in += len(o.prompt_token_ids); n_out += sum(len(c.token_ids) for c in o.outputs)
+                        if not o.finished:
+                            continue
+                        done[o.request_id] = o
+                        bar.update(1)
+                        n_in += len(o.prompt_token_ids)
+                        n_out += sum(len(c.token_ids) for c in o.outputs)
                         dt = time.perf_counter() - t0
-                        bar.set_postfix_str(f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s")
-        finally: self.engine.stream_outputs = True
+                        bar.set_postfix_str(
+                            f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s"
+                        )
+        finally:
+            self.engine.stream_outputs = True
         return [done[i] for i in ids]

@@ -4,71 +4,115 @@
 
 # %% ../nbs/04a_kernel_resources.ipynb #1898c962
 from __future__ import annotations
-import json, math, os, re, shutil, subprocess, sys, tempfile, time, warnings
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
 from dataclasses import dataclass, asdict, field
 import pandas as pd
 import torch
 from .kernels import attention_tiles, block_d, supports_bf16
 
 # %% auto #0
-__all__ = ['ARCHS', 'KERNELS', 'DTYPES', 'HEAD_DIMS', 'USAGE_CACHE', 'GpuArch', 'occupancy', 'KernelSpec', 'kernel_specs',
-           'launch_specs', 'compile_spec', 'compile_report', 'report_problems']
+__all__ = [
+    "ARCHS",
+    "KERNELS",
+    "DTYPES",
+    "HEAD_DIMS",
+    "USAGE_CACHE",
+    "GpuArch",
+    "occupancy",
+    "KernelSpec",
+    "kernel_specs",
+    "launch_specs",
+    "compile_spec",
+    "compile_report",
+    "report_problems",
+]
+
 
 # %% ../nbs/04a_kernel_resources.ipynb #70760dc1
 @dataclass(frozen=True)
 class GpuArch:
     "The per-SM limits of one compute capability that decide whether a kernel launches and how many blocks share an SM."
-    name: str                  # "sm_80"
-    capability: tuple          # (8, 0)
-    example: str               # a GPU readers have
-    shared_per_block: int      # bytes of shared memory one block may use (opt-in maximum)
-    shared_per_sm: int         # bytes of shared memory per SM
-    reserved_per_block: int    # bytes the driver reserves per resident block
-    max_warps: int             # resident warps per SM
-    max_blocks: int            # resident blocks per SM
-    registers: int = 65536     # 32-bit registers per SM
+
+    name: str  # "sm_80"
+    capability: tuple  # (8, 0)
+    example: str  # a GPU readers have
+    shared_per_block: int  # bytes of shared memory one block may use (opt-in maximum)
+    shared_per_sm: int  # bytes of shared memory per SM
+    reserved_per_block: int  # bytes the driver reserves per resident block
+    max_warps: int  # resident warps per SM
+    max_blocks: int  # resident blocks per SM
+    registers: int = 65536  # 32-bit registers per SM
     max_regs_per_thread: int = 255
 
-ARCHS = {a.name: a for a in [
-    GpuArch("sm_75", (7, 5), "T4, RTX 20", 64 * 1024, 64 * 1024, 0, 32, 16),
-    GpuArch("sm_80", (8, 0), "A100", 163 * 1024, 164 * 1024, 1024, 64, 32),
-    GpuArch("sm_86", (8, 6), "RTX 30, A10", 99 * 1024, 100 * 1024, 1024, 48, 16),
-    GpuArch("sm_89", (8, 9), "RTX 40, L4", 99 * 1024, 100 * 1024, 1024, 48, 24),
-    GpuArch("sm_90", (9, 0), "H100, H200", 227 * 1024, 228 * 1024, 1024, 64, 32),
-]}
+
+ARCHS = {
+    a.name: a
+    for a in [
+        GpuArch("sm_75", (7, 5), "T4, RTX 20", 64 * 1024, 64 * 1024, 0, 32, 16),
+        GpuArch("sm_80", (8, 0), "A100", 163 * 1024, 164 * 1024, 1024, 64, 32),
+        GpuArch("sm_86", (8, 6), "RTX 30, A10", 99 * 1024, 100 * 1024, 1024, 48, 16),
+        GpuArch("sm_89", (8, 9), "RTX 40, L4", 99 * 1024, 100 * 1024, 1024, 48, 24),
+        GpuArch("sm_90", (9, 0), "H100, H200", 227 * 1024, 228 * 1024, 1024, 64, 32),
+    ]
+}
+
 
 # %% ../nbs/04a_kernel_resources.ipynb #e95f41a0
-def occupancy(regs: int,          # registers per thread
-              shared: int,        # bytes of shared memory per block
-              num_warps: int,     # warps per block
-              arch: GpuArch) -> tuple[int, float, str]:
+def occupancy(
+    regs: int,  # registers per thread
+    shared: int,  # bytes of shared memory per block
+    num_warps: int,  # warps per block
+    arch: GpuArch,
+) -> tuple[int, float, str]:
     "(blocks per SM, occupancy = resident warps / max warps, the limit that binds: registers, shared, warps or blocks)."
     regs_per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
-    limits = {"registers": arch.registers // regs_per_warp // num_warps,
-              "shared": arch.shared_per_sm // (shared + arch.reserved_per_block) if shared + arch.reserved_per_block else arch.max_blocks,
-              "warps": arch.max_warps // num_warps, "blocks": arch.max_blocks}
+    limits = {
+        "registers": arch.registers // regs_per_warp // num_warps,
+        "shared": arch.shared_per_sm // (shared + arch.reserved_per_block)
+        if shared + arch.reserved_per_block
+        else arch.max_blocks,
+        "warps": arch.max_warps // num_warps,
+        "blocks": arch.max_blocks,
+    }
     limiter = min(limits, key=limits.get)
     blocks = limits[limiter]
     return blocks, blocks * num_warps / arch.max_warps, limiter
 
+
 # %% ../nbs/04a_kernel_resources.ipynb #1608d7e0
-KERNELS = {"write_kv": "_write_kv_kernel", "decode": "_decode_kernel", "decode_split": "_decode_kernel",
-           "reduce_splits": "_reduce_splits_kernel", "prefill": "_prefill_kernel"}
+KERNELS = {
+    "write_kv": "_write_kv_kernel",
+    "decode": "_decode_kernel",
+    "decode_split": "_decode_kernel",
+    "reduce_splits": "_reduce_splits_kernel",
+    "prefill": "_prefill_kernel",
+}
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 HEAD_DIMS = (64, 80, 96, 112, 128, 256)
+
 
 @dataclass
 class KernelSpec:
     "One binary to compile: which kernel, its constexprs and launch options, the cache dtype, the target GPU."
-    kernel: str                # a key of KERNELS
-    dtype: str                 # "float16", "bfloat16" or "float32"
-    arch: str                  # a key of ARCHS
-    head_dims: tuple           # the head sizes this binary serves
+
+    kernel: str  # a key of KERNELS
+    dtype: str  # "float16", "bfloat16" or "float32"
+    arch: str  # a key of ARCHS
+    head_dims: tuple  # the head sizes this binary serves
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 3
-    module: str = "hetero_infer.kernels"   # where the kernel lives (tests point this at a deliberately broken copy)
-    fn: str = ""               # the @triton.jit function; "" = KERNELS[kernel]
+    module: str = "hetero_infer.kernels"  # where the kernel lives (tests point this at a deliberately broken copy)
+    fn: str = ""  # the @triton.jit function; "" = KERNELS[kernel]
 
     @property
     def label(self) -> str:
@@ -76,100 +120,179 @@ class KernelSpec:
         cx = ", ".join(f"{k}={v}" for k, v in self.constexprs.items())
         return f"{self.fn or KERNELS[self.kernel]}[{cx}] num_warps={self.num_warps} num_stages={self.num_stages} ({self.dtype}, {self.arch})"
 
+
 def kernel_specs(kernel: str, dtype: str, arch: str, head_dims: tuple) -> KernelSpec:
     "The binary the launcher in `kernels` builds for `kernel` on this dtype, GPU and head size(s) (same tile rules)."
     D, dt, cap = head_dims[0], getattr(torch, dtype), ARCHS[arch].capability
     fp32 = dtype == "float32"
-    if kernel in ("write_kv", "reduce_splits"): return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)))
+    if kernel in ("write_kv", "reduce_splits"):
+        return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)))
     if kernel in ("decode", "decode_split"):
         t = attention_tiles("decode", D, dt, cap)
-        cx = dict(BLOCK_G=t.block_m, BLOCK_D=block_d(D), BLOCK_N=t.block_n, SPLIT=kernel == "decode_split", IS_FP32=fp32)
+        cx = dict(
+            BLOCK_G=t.block_m,
+            BLOCK_D=block_d(D),
+            BLOCK_N=t.block_n,
+            SPLIT=kernel == "decode_split",
+            IS_FP32=fp32,
+        )
         return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages)
     if kernel == "prefill":
         t = attention_tiles("prefill", D, dt, cap)
-        return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32),
-                          t.num_warps, t.num_stages)
+        return KernelSpec(
+            kernel,
+            dtype,
+            arch,
+            head_dims,
+            dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32),
+            t.num_warps,
+            t.num_stages,
+        )
     raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
 
-def launch_specs(archs=tuple(ARCHS), dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, kernels=tuple(KERNELS)) -> list[KernelSpec]:
+
+def launch_specs(
+    archs=tuple(ARCHS), dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, kernels=tuple(KERNELS)
+) -> list[KernelSpec]:
     "Every distinct binary the engine can launch for these GPUs, dtypes and head sizes (bf16 only where the GPU has it)."
     specs = []
     for arch in archs:
         for dtype in dtypes:
-            if dtype == "bfloat16" and not supports_bf16(ARCHS[arch].capability): continue
+            if dtype == "bfloat16" and not supports_bf16(ARCHS[arch].capability):
+                continue
             groups = {}
-            for D in head_dims: groups.setdefault((block_d(D), D % 16 == 0), []).append(D)   # one binary per group
-            specs += [kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in kernels]
+            for D in head_dims:
+                groups.setdefault((block_d(D), D % 16 == 0), []).append(D)  # one binary per group
+            specs += [
+                kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in kernels
+            ]
     return specs
+
 
 # %% ../nbs/04a_kernel_resources.ipynb #6d51e2fe
 _POINTEE = {"bt_ptr": "i32", "seqlen_ptr": "i32", "qsl_ptr": "i32", "slot_ptr": "i64"}
 
+
 def _signature(fn, spec: KernelSpec) -> tuple[dict, dict]:
     "Triton signature and divisibility attributes of `fn` for this spec, as the engine's launch presents its arguments."
     dt = DTYPES[spec.dtype]
-    exempt = {fn.arg_names[x] if isinstance(x, int) else x for x in (getattr(fn, "do_not_specialize", None) or ())}
-    div16 = spec.head_dims[0] % 16 == 0        # every other runtime integer is a multiple of the head size
+    exempt = {
+        fn.arg_names[x] if isinstance(x, int) else x
+        for x in (getattr(fn, "do_not_specialize", None) or ())
+    }
+    div16 = (
+        spec.head_dims[0] % 16 == 0
+    )  # every other runtime integer is a multiple of the head size
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
-        if n in spec.constexprs: sig[n] = "constexpr"
+        if n in spec.constexprs:
+            sig[n] = "constexpr"
         elif n.endswith("_ptr"):
             partial = n in ("pm_ptr", "pl_ptr", "pacc_ptr") and spec.constexprs.get("SPLIT", True)
             sig[n] = "*" + _POINTEE.get(n, "fp32" if partial else dt)
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "scale_log2": sig[n] = "fp32"
+        elif n == "scale_log2":
+            sig[n] = "fp32"
         else:
             sig[n] = "i32"
-            if div16 and n not in exempt: attrs[(i,)] = [["tt.divisibility", 16]]
+            if div16 and n not in exempt:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
+
 
 def _nvidia_tool(name: str) -> str:
     "Path of an NVIDIA binary shipped in the triton wheel (ptxas, cuobjdump), else on PATH."
     import triton
+
     p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if os.path.exists(p): return p
-    if shutil.which(name): return shutil.which(name)
+    if os.path.exists(p):
+        return p
+    if shutil.which(name):
+        return shutil.which(name)
     raise FileNotFoundError(f"{name} is in neither the triton wheel nor PATH")
 
-USAGE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hetero_infer", "kernel_usage")
+
+USAGE_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hetero_infer", "kernel_usage"
+)
+
 
 def _cubin_usage(k) -> dict:
     "Registers, spill stores, stack and static shared bytes of a compiled kernel, read with cuobjdump; cached by the binary's hash."
-    key = getattr(k.metadata, "hash", None) or getattr(k, "hash", None)   # Triton's hash of source, signature, target, options, version
+    key = getattr(k.metadata, "hash", None) or getattr(
+        k, "hash", None
+    )  # Triton's hash of source, signature, target, options, version
     path = os.path.join(USAGE_CACHE, f"{key}.json")
     if key and os.path.exists(path):
-        with open(path) as f: return json.load(f)
+        with open(path) as f:
+            return json.load(f)
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f: f.write(k.asm["cubin"])
-        out = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        out = subprocess.run(
+            [_nvidia_tool("cuobjdump"), "-res-usage", "-sass", cubin],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     get = lambda key: int(re.search(rf"\b{key}:(\d+)", out).group(1))
-    usage = dict(regs=get("REG"), spill_stores=len(re.findall(r"\bSTL\b", out)), stack=get("STACK"), static_shared=get("SHARED"))
-    if not key: return usage
+    usage = dict(
+        regs=get("REG"),
+        spill_stores=len(re.findall(r"\bSTL\b", out)),
+        stack=get("STACK"),
+        static_shared=get("SHARED"),
+    )
+    if not key:
+        return usage
     os.makedirs(USAGE_CACHE, exist_ok=True)
-    with open(path + f".{os.getpid()}", "w") as f: json.dump(usage, f)
-    os.replace(path + f".{os.getpid()}", path)                # atomic: parallel workers never read half a file
+    with open(path + f".{os.getpid()}", "w") as f:
+        json.dump(usage, f)
+    os.replace(path + f".{os.getpid()}", path)  # atomic: parallel workers never read half a file
     return usage
+
 
 def compile_spec(spec: KernelSpec) -> dict:
     "Compile one spec for its target; registers, spill stores, stack bytes, shared bytes and seconds, or the error."
-    import importlib, triton
+    import importlib
+    import triton
     from triton.backends.compiler import GPUTarget
+
     arch, t0 = ARCHS[spec.arch], time.time()
     try:
         fn = getattr(importlib.import_module(spec.module), spec.fn or KERNELS[spec.kernel])
         sig, attrs = _signature(fn, spec)
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(spec.constexprs), attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32),
-                           options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+        src = triton.compiler.ASTSource(
+            fn=fn, signature=sig, constexprs=dict(spec.constexprs), attrs=attrs
+        )
+        k = triton.compile(
+            src,
+            target=GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32),
+            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
+        )
         u = _cubin_usage(k)
-        return dict(regs=u["regs"], spill_stores=u["spill_stores"], stack=u["stack"], shared=k.metadata.shared + u["static_shared"],
-                    seconds=time.time() - t0, error="")
-    except Exception as e:   # a compile error is a result: the report names the spec that failed
+        return dict(
+            regs=u["regs"],
+            spill_stores=u["spill_stores"],
+            stack=u["stack"],
+            shared=k.metadata.shared + u["static_shared"],
+            seconds=time.time() - t0,
+            error="",
+        )
+    except Exception as e:  # a compile error is a result: the report names the spec that failed
         lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()] or [""]
-        where = f"{lines[0]} " if len(lines) > 1 else ""   # Triton's "at line:col:", then the source, then the reason
-        return dict(regs=-1, spill_stores=-1, stack=-1, shared=-1, seconds=time.time() - t0,
-                    error=f"{type(e).__name__}: {where}{lines[-1]}"[:300])
+        where = (
+            f"{lines[0]} " if len(lines) > 1 else ""
+        )  # Triton's "at line:col:", then the source, then the reason
+        return dict(
+            regs=-1,
+            spill_stores=-1,
+            stack=-1,
+            shared=-1,
+            seconds=time.time() - t0,
+            error=f"{type(e).__name__}: {where}{lines[-1]}"[:300],
+        )
+
 
 def _worker():
     "Entry point of a compile process: KernelSpec dicts as JSON on stdin, one result per spec as JSON on stdout."
@@ -177,43 +300,88 @@ def _worker():
     specs = [KernelSpec(**d) for d in json.load(sys.stdin)]
     json.dump([compile_spec(s) for s in specs], sys.stdout)
 
+
 # %% ../nbs/04a_kernel_resources.ipynb #8b814c6c
-def compile_report(specs: list[KernelSpec] | None = None,   # None: launch_specs()
-                   jobs: int | None = None,                 # worker processes; None: the CPU count, at most 8
-                   env: dict | None = None) -> pd.DataFrame: # extra environment for the workers (e.g. PYTHONPATH)
+def compile_report(
+    specs: list[KernelSpec] | None = None,  # None: launch_specs()
+    jobs: int | None = None,  # worker processes; None: the CPU count, at most 8
+    env: dict | None = None,
+) -> pd.DataFrame:  # extra environment for the workers (e.g. PYTHONPATH)
     "Compile every spec for its GPU in worker processes; one row per spec: resources, occupancy, and the error if any."
     specs = launch_specs() if specs is None else specs
     jobs = max(1, min(jobs or min(os.cpu_count() or 1, 8), len(specs)))
     wenv = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     cmd = [sys.executable, "-c", "from hetero_infer.kernel_resources import _worker; _worker()"]
-    order = sorted(range(len(specs)), key=lambda i: specs[i].arch)            # spread each target over the workers
+    order = sorted(
+        range(len(specs)), key=lambda i: specs[i].arch
+    )  # spread each target over the workers
     chunks = [order[j::jobs] for j in range(jobs)]
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=wenv)
-             for _ in chunks]
-    for p, c in zip(procs, chunks): p.stdin.write(json.dumps([asdict(specs[i]) for i in c])); p.stdin.close()
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=wenv,
+        )
+        for _ in chunks
+    ]
+    for p, c in zip(procs, chunks):
+        p.stdin.write(json.dumps([asdict(specs[i]) for i in c]))
+        p.stdin.close()
     results = [None] * len(specs)
     for p, c in zip(procs, chunks):
-        out, err = p.stdout.read(), p.stderr.read(); p.wait()
-        if p.returncode: raise RuntimeError(f"compile worker failed ({p.returncode}): {err[-2000:]}")
-        for i, r in zip(c, json.loads(out)): results[i] = r
+        out, err = p.stdout.read(), p.stderr.read()
+        p.wait()
+        if p.returncode:
+            raise RuntimeError(f"compile worker failed ({p.returncode}): {err[-2000:]}")
+        for i, r in zip(c, json.loads(out)):
+            results[i] = r
     rows = []
     for s, r in zip(specs, results):
         a = ARCHS[s.arch]
-        blocks, occ, limiter = occupancy(r["regs"], r["shared"], s.num_warps, a) if not r["error"] else (0, 0.0, "")
-        rows.append(dict(kernel=s.kernel, dtype=s.dtype, arch=s.arch, head_dims=s.head_dims, label=s.label,
-                         warps=s.num_warps, stages=s.num_stages, regs=r["regs"], spill_stores=r["spill_stores"],
-                         stack=r["stack"], shared_kb=round(r["shared"] / 1024, 1), limit_kb=a.shared_per_block // 1024,
-                         blocks_per_sm=blocks, occupancy=round(occ, 3), limited_by=limiter, seconds=round(r["seconds"], 2),
-                         error=r["error"]))
+        blocks, occ, limiter = (
+            occupancy(r["regs"], r["shared"], s.num_warps, a) if not r["error"] else (0, 0.0, "")
+        )
+        rows.append(
+            dict(
+                kernel=s.kernel,
+                dtype=s.dtype,
+                arch=s.arch,
+                head_dims=s.head_dims,
+                label=s.label,
+                warps=s.num_warps,
+                stages=s.num_stages,
+                regs=r["regs"],
+                spill_stores=r["spill_stores"],
+                stack=r["stack"],
+                shared_kb=round(r["shared"] / 1024, 1),
+                limit_kb=a.shared_per_block // 1024,
+                blocks_per_sm=blocks,
+                occupancy=round(occ, 3),
+                limited_by=limiter,
+                seconds=round(r["seconds"], 2),
+                error=r["error"],
+            )
+        )
     return pd.DataFrame(rows)
+
 
 # %% ../nbs/04a_kernel_resources.ipynb #704c6ab4
 def report_problems(report: pd.DataFrame) -> list[str]:
     "One line per specialization that failed to compile, exceeds its GPU's shared memory or spills registers."
     out = []
     for r in report.itertuples():
-        if r.error: out.append(f"{r.label}: does not compile: {r.error}")
+        if r.error:
+            out.append(f"{r.label}: does not compile: {r.error}")
         else:
-            if r.shared_kb > r.limit_kb: out.append(f"{r.label}: needs {r.shared_kb} KB of shared memory, {r.arch} allows {r.limit_kb} KB")
-            if r.spill_stores: out.append(f"{r.label}: spills registers ({r.spill_stores} spill stores, {r.stack} B stack, {r.regs} registers)")
+            if r.shared_kb > r.limit_kb:
+                out.append(
+                    f"{r.label}: needs {r.shared_kb} KB of shared memory, {r.arch} allows {r.limit_kb} KB"
+                )
+            if r.spill_stores:
+                out.append(
+                    f"{r.label}: spills registers ({r.spill_stores} spill stores, {r.stack} B stack, {r.regs} registers)"
+                )
     return out

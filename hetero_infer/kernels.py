@@ -4,215 +4,389 @@
 
 # %% ../nbs/04_paged_attention_triton.ipynb #b2271b1d
 from __future__ import annotations
-import functools, os
+import functools
+import os
 from dataclasses import dataclass
-import torch, triton
+import torch
+import triton
 import triton.language as tl
 from .attention import AttentionBackend, register_attention_backend
 
 # %% auto #0
-__all__ = ['MAX_HEAD_DIM', 'LOG2E', 'NO_WINDOW', 'block_d', 'triton_write_kv', 'KernelTiles', 'uses_tensor_cores',
-           'supports_bf16', 'attention_tiles', 'num_decode_splits', 'triton_paged_decode_attention',
-           'triton_paged_prefill_attention', 'TritonAttentionBackend', 'triton_unsupported', 'decode_bytes']
+__all__ = [
+    "MAX_HEAD_DIM",
+    "LOG2E",
+    "NO_WINDOW",
+    "block_d",
+    "triton_write_kv",
+    "KernelTiles",
+    "uses_tensor_cores",
+    "supports_bf16",
+    "attention_tiles",
+    "num_decode_splits",
+    "triton_paged_decode_attention",
+    "triton_paged_prefill_attention",
+    "TritonAttentionBackend",
+    "triton_unsupported",
+    "decode_bytes",
+]
 
 # %% ../nbs/04_paged_attention_triton.ipynb #3cc75f71
-MAX_HEAD_DIM = 256   # the largest head the kernels' register and shared-memory tiles are sized for
+MAX_HEAD_DIM = 256  # the largest head the kernels' register and shared-memory tiles are sized for
+
 
 def block_d(D: int) -> int:
     "The kernels' tile width over a head of `D`: the next power of two, at least 16 (`tl.arange` needs a power of two, `tl.dot` 16)."
     return max(16, triton.next_power_of_2(D))
 
+
 def _check_head_dim(D: int):
     "Raise `ValueError` naming head_dim unless 1 <= D <= 256; any size works, padded to `block_d(D)` with a mask."
     if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}] for the Triton kernels, got {D}; use attention_backend='torch'")
+        raise ValueError(
+            f"head_dim must be in [1, {MAX_HEAD_DIM}] for the Triton kernels, got {D}; use attention_backend='torch'"
+        )
+
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, D, stride_kt, stride_kh, stride_vt, stride_vh, stride_slot,
-                     BLOCK_D: tl.constexpr):
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    D,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_slot,
+    BLOCK_D: tl.constexpr,
+):
     t, h = tl.program_id(0), tl.program_id(1)  # one program per (new token, KV head)
-    slot = tl.load(slot_ptr + t)               # int64 cache slot; < 0 means padding
+    slot = tl.load(slot_ptr + t)  # int64 cache slot; < 0 means padding
     if slot >= 0:
-        offs = tl.arange(0, BLOCK_D); mask = offs < D          # a head of D padded to BLOCK_D lanes
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < D  # a head of D padded to BLOCK_D lanes
         dst = slot * stride_slot + h * D + offs
-        tl.store(kc_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask), mask=mask)
-        tl.store(vc_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask), mask=mask)
+        tl.store(
+            kc_ptr + dst,
+            tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask),
+            mask=mask,
+        )
+        tl.store(
+            vc_ptr + dst,
+            tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask),
+            mask=mask,
+        )
 
-def triton_write_kv(k: torch.Tensor,        # (T, Hkv, D) this step's keys
-                    v: torch.Tensor,        # (T, Hkv, D) this step's values
-                    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
-                    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
-                    slot_mapping: torch.Tensor):  # (T,) int64; negative = padding, skipped
+
+def triton_write_kv(
+    k: torch.Tensor,  # (T, Hkv, D) this step's keys
+    v: torch.Tensor,  # (T, Hkv, D) this step's values
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), written in place
+    slot_mapping: torch.Tensor,
+):  # (T,) int64; negative = padding, skipped
     "Store each new token's K/V at its cache slot (block `s // bs`, offset `s % bs`)."
     T, Hkv, D = k.shape
-    if T == 0: return
+    if T == 0:
+        return
     _check_head_dim(D)
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV caches must be contiguous"
-    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, f"k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}"
-    if k.stride(2) != 1: k = k.contiguous()
-    if v.stride(2) != 1: v = v.contiguous()
-    _write_kv_kernel[(T, Hkv)](k, v, k_cache, v_cache, slot_mapping, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                               Hkv * D, BLOCK_D=block_d(D))
+    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, (
+        f"k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}"
+    )
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    _write_kv_kernel[(T, Hkv)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        D,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        Hkv * D,
+        BLOCK_D=block_d(D),
+    )
+
 
 def _check_attention_inputs(q, k_cache, v_cache):
     "Shapes, layout and dtypes both attention kernels need, with errors that say what is wrong."
     Hq, D, Hkv, bs = q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1]
     _check_head_dim(D)
-    if Hq % Hkv: raise ValueError(f"num query heads {Hq} must be a multiple of num KV heads {Hkv}")
-    if bs & (bs - 1): raise ValueError(f"block_size must be a power of two, got {bs}")
-    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), "q's last dim and the caches must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q dtype {q.dtype} differs from the caches' {k_cache.dtype}"
+    if Hq % Hkv:
+        raise ValueError(f"num query heads {Hq} must be a multiple of num KV heads {Hkv}")
+    if bs & (bs - 1):
+        raise ValueError(f"block_size must be a power of two, got {bs}")
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), (
+        "q's last dim and the caches must be contiguous"
+    )
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+        f"q dtype {q.dtype} differs from the caches' {k_cache.dtype}"
+    )
+
 
 # %% ../nbs/04_paged_attention_triton.ipynb #c25803b5
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
+
 @dataclass(frozen=True)
 class KernelTiles:
     "Launch shape of one attention kernel: tile sizes, warps and software-pipeline stages."
-    block_m: int      # query rows per program (prefill); decode uses 16 query heads of one KV head
-    block_n: int      # keys per tile
+
+    block_m: int  # query rows per program (prefill); decode uses 16 query heads of one KV head
+    block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+
 
 def uses_tensor_cores(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
     "Whether Triton lowers the kernels' `tl.dot` to tensor-core MMA: fp16/bf16 on sm_80 and newer. fp32 (`ieee`) and sm_75 use FMA."
     return dtype != torch.float32 and tuple(capability) >= (8, 0)
 
+
 def supports_bf16(capability: tuple[int, int]) -> bool:
     "Whether a GPU of this compute capability has bf16 as a native dtype (sm_80 on); a T4 (sm_75) does not."
     return tuple(capability) >= (8, 0)
 
-def attention_tiles(kind: str,                     # "decode" or "prefill"
-                    head_dim: int,                 # D; tiles are sized by block_d(D)
-                    dtype: torch.dtype,            # the cache dtype
-                    capability: tuple[int, int] = (8, 0)  # compute capability of the GPU
-                    ) -> KernelTiles:
+
+def attention_tiles(
+    kind: str,  # "decode" or "prefill"
+    head_dim: int,  # D; tiles are sized by block_d(D)
+    dtype: torch.dtype,  # the cache dtype
+    capability: tuple[int, int] = (8, 0),  # compute capability of the GPU
+) -> KernelTiles:
     "Tiles that compile without register spills and within shared memory on sm_75..sm_90 (proved by the compile check in 04a)."
-    if kind not in ("decode", "prefill"): raise ValueError(f"kind must be 'decode' or 'prefill', got {kind!r}")
+    if kind not in ("decode", "prefill"):
+        raise ValueError(f"kind must be 'decode' or 'prefill', got {kind!r}")
     bd, wide = block_d(head_dim), block_d(head_dim) > 128
-    if uses_tensor_cores(dtype, capability):   # MMA: operands stream through shared memory, accumulators in registers
-        if kind == "decode": return KernelTiles(16, 32 if wide else 64, 4, 2 if wide else 3)
+    if uses_tensor_cores(
+        dtype, capability
+    ):  # MMA: operands stream through shared memory, accumulators in registers
+        if kind == "decode":
+            return KernelTiles(16, 32 if wide else 64, 4, 2 if wide else 3)
         return KernelTiles(32 if wide else 64, 64 if bd <= 64 else 32, 4, 2 if wide else 3)
     # FMA: both dot operands are held in registers, so tiles are smaller
-    if kind == "decode": return KernelTiles(16, 16 if bd >= 128 else 32, 4, 2)
+    if kind == "decode":
+        return KernelTiles(16, 16 if bd >= 128 else 32, 4, 2)
     return KernelTiles(16, 16 if wide else 32, 4, 2)
 
-NO_WINDOW = 1 << 30   # a window no context reaches: full causal attention
+
+NO_WINDOW = 1 << 30  # a window no context reaches: full causal attention
+
 
 def _window(window: int | None) -> int:
     "The kernels' window argument; raises naming window unless it is None or >= 1."
-    if window is None: return NO_WINDOW
-    if window < 1: raise ValueError(f"window must be >= 1 or None, got {window}")
+    if window is None:
+        return NO_WINDOW
+    if window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
     return min(window, NO_WINDOW)
+
 
 @functools.lru_cache
 def _capability(device: torch.device) -> tuple[int, int]:
     "Compute capability of a CUDA device; (8, 0) elsewhere (the interpreter runs the sm_80 tiles)."
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (8, 0)
 
+
 @triton.jit
 def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, IS_FP32: tl.constexpr):
     "One key tile of online softmax, shared by both kernels: scores q @ k^T (masked to `visible`), then p @ v folded into the running (max, sum, acc)."
-    if IS_FP32: qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else: qk = tl.dot(q, tl.trans(k))                      # fp16/bf16 products are exact in the fp32 accumulator
-    qk = tl.where(visible, qk.to(tl.float32) * scale_log2, float("-inf"))   # (rows, BLOCK_N), log2 units
-    m_new = tl.maximum(m_i, tl.max(qk, 1))                 # -inf while a row has seen no visible key (sliding windows)
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # such a row adds exp2(-inf) = 0 instead of NaN
-    alpha = tl.exp2(m_i - m_ref)                           # rescales what was summed under the old max
+    if IS_FP32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))  # fp16/bf16 products are exact in the fp32 accumulator
+    qk = tl.where(
+        visible, qk.to(tl.float32) * scale_log2, float("-inf")
+    )  # (rows, BLOCK_N), log2 units
+    m_new = tl.maximum(
+        m_i, tl.max(qk, 1)
+    )  # -inf while a row has seen no visible key (sliding windows)
+    m_ref = tl.where(
+        m_new == float("-inf"), 0.0, m_new
+    )  # such a row adds exp2(-inf) = 0 instead of NaN
+    alpha = tl.exp2(m_i - m_ref)  # rescales what was summed under the old max
     p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if IS_FP32: pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else: pv = tl.dot(p.to(v.dtype), v)
+    if IS_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
 
-@triton.jit(do_not_specialize=["num_splits", "G", "bs_log2", "window", "stride_bt"])   # one binary for every batch shape
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
-                   scale_log2, num_splits, G, D, bs_log2, window, stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
-                   stride_kb, stride_kt, stride_kh,
-                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
-    s, hc, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # sequence, (KV head, chunk of its query heads), piece
-    n_chunks = tl.cdiv(G, BLOCK_G)                         # more than BLOCK_G query heads per KV head: several programs
+
+@triton.jit(
+    do_not_specialize=["num_splits", "G", "bs_log2", "window", "stride_bt"]
+)  # one binary for every batch shape
+def _decode_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    seqlen_ptr,
+    out_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    scale_log2,
+    num_splits,
+    G,
+    D,
+    bs_log2,
+    window,
+    stride_qs,
+    stride_qh,
+    stride_os,
+    stride_oh,
+    stride_bt,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    s, hc, split = (
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+    )  # sequence, (KV head, chunk of its query heads), piece
+    n_chunks = tl.cdiv(G, BLOCK_G)  # more than BLOCK_G query heads per KV head: several programs
     h, c = hc // n_chunks, hc % n_chunks
     seq_len = tl.load(seqlen_ptr + s)
-    lo = tl.maximum(seq_len - window, 0)                   # the first key in the window (0 without one)
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per piece
+    lo = tl.maximum(seq_len - window, 0)  # the first key in the window (0 without one)
+    per_split = (
+        tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    )  # whole tiles per piece
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    offs_g, offs_d, offs_n = c * BLOCK_G + tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
-    g_mask, d_mask = offs_g < G, offs_d < D                # real query heads; real channels of a padded head
-    hq = h * G + offs_g                                    # (BLOCK_G,) query heads
-    q = tl.load(q_ptr + s * stride_qs + hq[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)   # (BLOCK_G, BLOCK_D), zero padded
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)    # running max of the scores (log2 units)
-    l_i = tl.zeros([BLOCK_G], tl.float32)                  # running softmax denominator
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)         # running unnormalised p @ v
+    offs_g, offs_d, offs_n = (
+        c * BLOCK_G + tl.arange(0, BLOCK_G),
+        tl.arange(0, BLOCK_D),
+        tl.arange(0, BLOCK_N),
+    )
+    g_mask, d_mask = offs_g < G, offs_d < D  # real query heads; real channels of a padded head
+    hq = h * G + offs_g  # (BLOCK_G,) query heads
+    q = tl.load(
+        q_ptr + s * stride_qs + hq[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_G, BLOCK_D), zero padded
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores (log2 units)
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running unnormalised p @ v
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n                                  # (BLOCK_N,) context positions
+        pos = n0 + offs_n  # (BLOCK_N,) context positions
         n_mask = pos < end
         blk = tl.load(bt_ptr + s * stride_bt + (pos >> bs_log2), mask=n_mask, other=0).to(tl.int64)
-        tok = blk * stride_kb + (pos & ((1 << bs_log2) - 1)) * stride_kt + h * stride_kh   # (BLOCK_N,) offsets
+        tok = (
+            blk * stride_kb + (pos & ((1 << bs_log2) - 1)) * stride_kt + h * stride_kh
+        )  # (BLOCK_N,) offsets
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, IS_FP32)
+        k = tl.load(
+            kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+        )  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+        )  # (BLOCK_N, BLOCK_D)
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, IS_FP32
+        )
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if SPLIT:   # this piece's partial softmax: max, sum and unnormalised acc, in fp32
+    if SPLIT:  # this piece's partial softmax: max, sum and unnormalised acc, in fp32
         row = (s * (tl.num_programs(1) // n_chunks) * G + hq) * num_splits + split
         tl.store(pm_ptr + row, m_i, mask=g_mask)
         tl.store(pl_ptr + row, l_i, mask=g_mask)
         tl.store(pacc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=out_mask)
     else:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + s * stride_os + hq[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + s * stride_os + hq[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _reduce_splits_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, num_splits, D, stride_os, stride_oh, BLOCK_D: tl.constexpr):
-    s, hq = tl.program_id(0), tl.program_id(1)             # sequence, query head
-    offs_d = tl.arange(0, BLOCK_D); d_mask = offs_d < D
-    row = (s * tl.num_programs(1) + hq) * num_splits       # the first piece; piece 0 always holds the first key
+def _reduce_splits_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, out_ptr, num_splits, D, stride_os, stride_oh, BLOCK_D: tl.constexpr
+):
+    s, hq = tl.program_id(0), tl.program_id(1)  # sequence, query head
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    row = (
+        s * tl.num_programs(1) + hq
+    ) * num_splits  # the first piece; piece 0 always holds the first key
     m, l = tl.load(pm_ptr + row), tl.load(pl_ptr + row)
     acc = tl.load(pacc_ptr + row * D + offs_d, mask=d_mask, other=0.0)
-    for i in range(1, num_splits):                         # fold in piece i; empty pieces (m = -inf) weigh 0
+    for i in range(1, num_splits):  # fold in piece i; empty pieces (m = -inf) weigh 0
         m_i, l_i = tl.load(pm_ptr + row + i), tl.load(pl_ptr + row + i)
         acc_i = tl.load(pacc_ptr + (row + i) * D + offs_d, mask=d_mask, other=0.0)
         m_new = tl.maximum(m, m_i)
         a, b = tl.exp2(m - m_new), tl.exp2(m_i - m_new)
         m, l, acc = m_new, l * a + l_i * b, acc * a + acc_i * b
-    tl.store(out_ptr + s * stride_os + hq * stride_oh + offs_d, (acc / l).to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + s * stride_os + hq * stride_oh + offs_d,
+        (acc / l).to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
 
 # %% ../nbs/04_paged_attention_triton.ipynb #bc4c72e1
-def num_decode_splits(num_seqs: int,         # S, sequences in the decode batch
-                      num_kv_heads: int,     # Hkv: programs per sequence without splitting
-                      max_context: int,      # longest context (tokens), or an upper bound
-                      num_sms: int,          # streaming multiprocessors of the GPU
-                      programs_per_sm: int = 2, min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
+def num_decode_splits(
+    num_seqs: int,  # S, sequences in the decode batch
+    num_kv_heads: int,  # Hkv: programs per sequence without splitting
+    max_context: int,  # longest context (tokens), or an upper bound
+    num_sms: int,  # streaming multiprocessors of the GPU
+    programs_per_sm: int = 2,
+    min_tokens_per_split: int = 256,
+    max_splits: int = 32,
+) -> int:
     "Pieces to cut each context into so that `S * Hkv * pieces` programs fill the GPU (1 = no split)."
     programs = num_seqs * num_kv_heads
-    if programs >= num_sms: return 1
+    if programs >= num_sms:
+        return 1
     want = triton.cdiv(num_sms * programs_per_sm, programs)
     return max(1, min(want, max_context // min_tokens_per_split, max_splits))
 
+
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+
 
 # %% ../nbs/04_paged_attention_triton.ipynb #ad2cb3e1
-def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one query token per sequence
-                                  k_cache: torch.Tensor,      # (num_blocks, bs, Hkv, D)
-                                  v_cache: torch.Tensor,      # (num_blocks, bs, Hkv, D)
-                                  block_tables: torch.Tensor, # (S, M) int32, padded with 0
-                                  seq_lens: torch.Tensor,     # (S,) int32 context length incl. this token
-                                  scale: float,               # softmax scale, usually D ** -0.5
-                                  num_splits: int | None = None,   # context pieces; None: `num_decode_splits`
-                                  max_seq_len: int | None = None,  # max(seq_lens) if known, for the heuristic
-                                  window: int | None = None        # sliding window: the query sees its last `window` keys
-                                  ) -> torch.Tensor:          # (S, Hq, D) in q's dtype
+def triton_paged_decode_attention(
+    q: torch.Tensor,  # (S, Hq, D) one query token per sequence
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    block_tables: torch.Tensor,  # (S, M) int32, padded with 0
+    seq_lens: torch.Tensor,  # (S,) int32 context length incl. this token
+    scale: float,  # softmax scale, usually D ** -0.5
+    num_splits: int | None = None,  # context pieces; None: `num_decode_splits`
+    max_seq_len: int | None = None,  # max(seq_lens) if known, for the heuristic
+    window: int | None = None,  # sliding window: the query sees its last `window` keys
+) -> torch.Tensor:  # (S, Hq, D) in q's dtype
     "Paged decode attention: each sequence's single query over its context (or window), split-K when the batch is small."
     S, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     _check_attention_inputs(q, k_cache, v_cache)
     out = torch.empty_like(q)
-    if S == 0: return out
+    if S == 0:
+        return out
     G = Hq // Hkv
     if num_splits is None:
         ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
@@ -220,110 +394,277 @@ def triton_paged_decode_attention(q: torch.Tensor,            # (S, Hq, D) one q
     split = num_splits > 1
     t = attention_tiles("decode", D, q.dtype, _capability(q.device))
     if split:
-        pm = torch.empty(S, Hq, num_splits, device=q.device, dtype=torch.float32)     # partial max
-        pl = torch.empty_like(pm)                                                     # partial sum
-        pacc = torch.empty(S, Hq, num_splits, D, device=q.device, dtype=torch.float32)  # partial acc
-    else: pm = pl = pacc = out                                                        # unused
+        pm = torch.empty(S, Hq, num_splits, device=q.device, dtype=torch.float32)  # partial max
+        pl = torch.empty_like(pm)  # partial sum
+        pacc = torch.empty(
+            S, Hq, num_splits, D, device=q.device, dtype=torch.float32
+        )  # partial acc
+    else:
+        pm = pl = pacc = out  # unused
     _decode_kernel[(S, Hkv * triton.cdiv(G, t.block_m), num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, pm, pl, pacc,
-        scale * LOG2E, num_splits, G, D, bs.bit_length() - 1, _window(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_G=t.block_m, BLOCK_D=block_d(D), BLOCK_N=t.block_n, SPLIT=split, IS_FP32=q.dtype == torch.float32,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        pm,
+        pl,
+        pacc,
+        scale * LOG2E,
+        num_splits,
+        G,
+        D,
+        bs.bit_length() - 1,
+        _window(window),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_G=t.block_m,
+        BLOCK_D=block_d(D),
+        BLOCK_N=t.block_n,
+        SPLIT=split,
+        IS_FP32=q.dtype == torch.float32,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
     if split:
-        _reduce_splits_kernel[(S, Hq)](pm, pl, pacc, out, num_splits, D, out.stride(0), out.stride(1), BLOCK_D=block_d(D))
+        _reduce_splits_kernel[(S, Hq)](
+            pm, pl, pacc, out, num_splits, D, out.stride(0), out.stride(1), BLOCK_D=block_d(D)
+        )
     return out
+
 
 # %% ../nbs/04_paged_attention_triton.ipynb #d248be9e
 @triton.jit(do_not_specialize=["G", "bs_log2", "window", "stride_bt"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, scale_log2, G, D, bs_log2, window,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh,
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):
-    s, hq, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # sequence, query head, query tile
+def _prefill_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seqlen_ptr,
+    out_ptr,
+    scale_log2,
+    G,
+    D,
+    bs_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    s, hq, mb = (
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+    )  # sequence, query head, query tile
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
-    if mb * BLOCK_M < q_len:                                   # tiles past this sequence's chunk do nothing
+    if mb * BLOCK_M < q_len:  # tiles past this sequence's chunk do nothing
         seq_len = tl.load(seqlen_ptr + s)
-        h = hq // G                                            # the KV head this query head reads
+        h = hq // G  # the KV head this query head reads
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
         m_mask, d_mask = offs_m < q_len, offs_d < D
-        q_pos = seq_len - q_len + offs_m                       # (BLOCK_M,) positions of the queries
-        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)   # (BLOCK_M, BLOCK_D), zero padded
+        q_pos = seq_len - q_len + offs_m  # (BLOCK_M,) positions of the queries
+        q = tl.load(
+            q_ptr + (q_start + offs_m)[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_D), zero padded
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tl.minimum(seq_len, seq_len - q_len + (mb + 1) * BLOCK_M)   # keys the tile's last query sees
-        lo = tl.maximum(seq_len - q_len + mb * BLOCK_M - window + 1, 0)  # the first key the tile's first query sees
+        end = tl.minimum(
+            seq_len, seq_len - q_len + (mb + 1) * BLOCK_M
+        )  # keys the tile's last query sees
+        lo = tl.maximum(
+            seq_len - q_len + mb * BLOCK_M - window + 1, 0
+        )  # the first key the tile's first query sees
         for n0 in range(lo, end, BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < end
-            blk = tl.load(bt_ptr + s * stride_bt + (pos >> bs_log2), mask=n_mask, other=0).to(tl.int64)
+            blk = tl.load(bt_ptr + s * stride_bt + (pos >> bs_log2), mask=n_mask, other=0).to(
+                tl.int64
+            )
             tok = blk * stride_kb + (pos & ((1 << bs_log2) - 1)) * stride_kt + h * stride_kh
             kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-            causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)  # (BLOCK_M, BLOCK_N)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, IS_FP32)
-        out = acc / tl.where(m_mask, l_i, 1.0)[:, None]          # padding rows may see no key in a window; never stored
-        tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+            k = tl.load(
+                kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+            )  # (BLOCK_N, BLOCK_D)
+            v = tl.load(
+                vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+            )  # (BLOCK_N, BLOCK_D)
+            causal = (
+                n_mask[None, :]
+                & (pos[None, :] <= q_pos[:, None])
+                & (pos[None, :] > q_pos[:, None] - window)
+            )  # (BLOCK_M, BLOCK_N)
+            m_i, l_i, acc = _online_softmax_step(
+                q, k, v, causal, m_i, l_i, acc, scale_log2, IS_FP32
+            )
+        out = (
+            acc / tl.where(m_mask, l_i, 1.0)[:, None]
+        )  # padding rows may see no key in a window; never stored
+        tl.store(
+            out_ptr + (q_start + offs_m)[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
 
-def triton_paged_prefill_attention(q: torch.Tensor,                # (T, Hq, D) new tokens, sequence after sequence
-                                   k_cache: torch.Tensor,          # (num_blocks, bs, Hkv, D), already holding this step's K
-                                   v_cache: torch.Tensor,          # (num_blocks, bs, Hkv, D)
-                                   block_tables: torch.Tensor,     # (S, M) int32, padded with 0
-                                   query_start_loc: torch.Tensor,  # (S+1,) int32 first row of each sequence in q
-                                   seq_lens: torch.Tensor,         # (S,) int32 context length incl. the new tokens
-                                   scale: float,                   # softmax scale
-                                   max_query_len: int | None = None,  # max new tokens per sequence if known (saves a sync)
-                                   window: int | None = None        # sliding window: query at p sees keys (p - window, p]
-                                   ) -> torch.Tensor:              # (T, Hq, D) in q's dtype
+
+def triton_paged_prefill_attention(
+    q: torch.Tensor,  # (T, Hq, D) new tokens, sequence after sequence
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), already holding this step's K
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    block_tables: torch.Tensor,  # (S, M) int32, padded with 0
+    query_start_loc: torch.Tensor,  # (S+1,) int32 first row of each sequence in q
+    seq_lens: torch.Tensor,  # (S,) int32 context length incl. the new tokens
+    scale: float,  # softmax scale
+    max_query_len: int | None = None,  # max new tokens per sequence if known (saves a sync)
+    window: int | None = None,  # sliding window: query at p sees keys (p - window, p]
+) -> torch.Tensor:  # (T, Hq, D) in q's dtype
     "Paged prefill attention: each sequence's new tokens (the last of its context) attend causally to the cache."
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     _check_attention_inputs(q, k_cache, v_cache)
     out = torch.empty_like(q)
     S = seq_lens.shape[0]
-    if T == 0 or S == 0: return out
-    if max_query_len is None: max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if T == 0 or S == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     t = attention_tiles("prefill", D, q.dtype, _capability(q.device))
     grid = (S, Hq, triton.cdiv(max_query_len, t.block_m))
-    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
-                          Hq // Hkv, D, bs.bit_length() - 1, _window(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=q.dtype == torch.float32,
-                          num_warps=t.num_warps, num_stages=t.num_stages)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        Hq // Hkv,
+        D,
+        bs.bit_length() - 1,
+        _window(window),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_D=block_d(D),
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        IS_FP32=q.dtype == torch.float32,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
     return out
+
 
 # %% ../nbs/04_paged_attention_triton.ipynb #ee4519ed
 class TritonAttentionBackend(AttentionBackend):
     "Paged attention with the Triton kernels (CUDA, or CPU through `TRITON_INTERPRET=1`)."
+
     name = "triton"
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping): triton_write_kv(k, v, k_cache, v_cache, slot_mapping)
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=None):
-        return triton_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, window=window)
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None, max_seq_len=None, window=None):
-        return triton_paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window)
 
-register_attention_backend("triton", TritonAttentionBackend)   # get_attention_backend("triton") finds it here
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        triton_write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-def triton_unsupported(head_dim: int,                 # the model's D
-                       dtype: torch.dtype,            # the KV-cache dtype
-                       device: str | torch.device     # where the model runs
-                       ) -> str | None:
+    def decode(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=None
+    ):
+        return triton_paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            max_seq_len=max_seq_len,
+            window=window,
+        )
+
+    def prefill(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=None,
+        max_seq_len=None,
+        window=None,
+    ):
+        return triton_paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            max_query_len,
+            window,
+        )
+
+
+register_attention_backend(
+    "triton", TritonAttentionBackend
+)  # get_attention_backend("triton") finds it here
+
+
+def triton_unsupported(
+    head_dim: int,  # the model's D
+    dtype: torch.dtype,  # the KV-cache dtype
+    device: str | torch.device,  # where the model runs
+) -> str | None:
     "Why the Triton backend cannot run this model here (a sentence naming the field), or None when it can."
     device = torch.device(device)
-    if not 1 <= head_dim <= MAX_HEAD_DIM: return f"head_dim={head_dim} is outside the Triton kernels' range [1, {MAX_HEAD_DIM}]"
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim={head_dim} is outside the Triton kernels' range [1, {MAX_HEAD_DIM}]"
     if device.type == "cuda":
         cap = _capability(device)
-        if dtype == torch.bfloat16 and not supports_bf16(cap): return f"dtype=bfloat16 needs compute capability 8.0 or newer, this GPU has {cap[0]}.{cap[1]}"
+        if dtype == torch.bfloat16 and not supports_bf16(cap):
+            return f"dtype=bfloat16 needs compute capability 8.0 or newer, this GPU has {cap[0]}.{cap[1]}"
     elif os.environ.get("TRITON_INTERPRET") != "1":
         return f"device={device.type!r}: the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 set before triton is imported)"
     return None
 
+
 # %% ../nbs/04_paged_attention_triton.ipynb #3069bb17
-def decode_bytes(num_seqs: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, elem_size: int = 2) -> int:
+def decode_bytes(
+    num_seqs: int,
+    context: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem_size: int = 2,
+) -> int:
     "Bytes a paged decode step must move: K and V of every context token once, plus q in and the output out."
-    return 2 * num_seqs * context * num_kv_heads * head_dim * elem_size + 2 * num_seqs * num_q_heads * head_dim * elem_size
+    return (
+        2 * num_seqs * context * num_kv_heads * head_dim * elem_size
+        + 2 * num_seqs * num_q_heads * head_dim * elem_size
+    )

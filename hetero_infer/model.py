@@ -4,29 +4,75 @@
 
 # %% ../nbs/05_model.ipynb #a2f5e9fe
 from __future__ import annotations
-import contextlib, json, math, os, re, warnings
+import contextlib
+import json
+import math
+import os
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-import torch, torch.nn as nn, torch.nn.functional as F
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from safetensors import safe_open
 from .attention import AttentionMetadata, get_attention_backend
 
 # %% auto #0
-__all__ = ['SUPPORTED_ARCHITECTURES', 'ROPE_TYPES', 'ACTIVATIONS', 'DTYPE_ALIASES', 'CPU_KV_CACHE_BYTES', 'ModelConfig',
-           'layer_windows', 'parse_config', 'RMSNorm', 'rope_cos_sin', 'rotate_half', 'apply_rope', 'rope_inv_freq',
-           'MLP', 'Attention', 'DecoderLayer', 'LlamaModel', 'hf_names', 'checkpoint_files', 'gpu_dtype',
-           'attention_backend_for', 'dtype_name', 'load_model', 'resolve_device', 'resolve_dtype', 'kv_block_bytes',
-           'cpu_threads', 'set_cpu_threads', 'ModelRunner']
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ROPE_TYPES",
+    "ACTIVATIONS",
+    "DTYPE_ALIASES",
+    "CPU_KV_CACHE_BYTES",
+    "ModelConfig",
+    "layer_windows",
+    "parse_config",
+    "RMSNorm",
+    "rope_cos_sin",
+    "rotate_half",
+    "apply_rope",
+    "rope_inv_freq",
+    "MLP",
+    "Attention",
+    "DecoderLayer",
+    "LlamaModel",
+    "hf_names",
+    "checkpoint_files",
+    "gpu_dtype",
+    "attention_backend_for",
+    "dtype_name",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+    "kv_block_bytes",
+    "cpu_threads",
+    "set_cpu_threads",
+    "ModelRunner",
+]
 
 # %% ../nbs/05_model.ipynb #d2e05550
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 ROPE_TYPES = ("default", "linear", "llama3")
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,      # hidden_act -> function, as transformers' ACT2FN
-               "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,  # hidden_act -> function, as transformers' ACT2FN
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
 
 @dataclass
 class ModelConfig:
     "The fields of a HF `config.json` that the Llama-family decoder needs."
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -37,70 +83,126 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None    # {"rope_type": "linear" | "llama3", "factor": ..., ...}; None: plain RoPE
+    rope_scaling: dict | None = (
+        None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}; None: plain RoPE
+    )
     max_position_embeddings: int = 2048
-    sliding_window: int | None = None   # the window of the sliding layers; None when no layer slides
-    layer_windows: list | None = None   # per layer: its window (int) or None (full causal attention); None: no layer slides
-    hidden_act: str = "silu"            # MLP activation, a key of ACTIVATIONS
-    qkv_bias: bool = False              # Qwen2 has biases on q, k and v
+    sliding_window: int | None = None  # the window of the sliding layers; None when no layer slides
+    layer_windows: list | None = (
+        None  # per layer: its window (int) or None (full causal attention); None: no layer slides
+    )
+    hidden_act: str = "silu"  # MLP activation, a key of ACTIVATIONS
+    qkv_bias: bool = False  # Qwen2 has biases on q, k and v
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False               # Qwen3 RMS-normalizes each head of q and k
-    tie_word_embeddings: bool = False   # lm_head shares the embedding matrix
-    torch_dtype: str | None = None      # the dtype the checkpoint was saved in
+    qk_norm: bool = False  # Qwen3 RMS-normalizes each head of q and k
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
+    torch_dtype: str | None = None  # the dtype the checkpoint was saved in
+
 
 def _refuse(ok: bool, field: str, msg: str):
-    if not ok: raise ValueError(f"unsupported {field}: {msg}")
+    if not ok:
+        raise ValueError(f"unsupported {field}: {msg}")
+
 
 def layer_windows(d: dict, arch: str) -> list:
     "Per-layer attention windows (None = full attention) with transformers' semantics for Mistral, Qwen2 and Qwen3."
-    n, w = d["num_hidden_layers"], d.get("sliding_window", 4096)   # 4096: the config classes' default
-    if arch == "MistralForCausalLM": return [w] * n
-    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not d.get("use_sliding_window") or w is None: return [None] * n
-    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
-    _refuse(len(types) == n and set(types) <= {"sliding_attention", "full_attention"}, "layer_types", f"{types!r}")
+    n, w = (
+        d["num_hidden_layers"],
+        d.get("sliding_window", 4096),
+    )  # 4096: the config classes' default
+    if arch == "MistralForCausalLM":
+        return [w] * n
+    if (
+        arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        or not d.get("use_sliding_window")
+        or w is None
+    ):
+        return [None] * n
+    types = d.get("layer_types") or [
+        "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)
+    ]
+    _refuse(
+        len(types) == n and set(types) <= {"sliding_attention", "full_attention"},
+        "layer_types",
+        f"{types!r}",
+    )
     return [w if t == "sliding_attention" else None for t in types]
+
 
 def _check_fields(d: dict):
     "Refuse, by name, the config fields that would change the math in a way this decoder does not implement."
-    _refuse(d.get("hidden_act", "silu") in ACTIVATIONS, "hidden_act", f"{d.get('hidden_act')!r}; supported: {', '.join(ACTIVATIONS)}")
+    _refuse(
+        d.get("hidden_act", "silu") in ACTIVATIONS,
+        "hidden_act",
+        f"{d.get('hidden_act')!r}; supported: {', '.join(ACTIVATIONS)}",
+    )
     for f in ("attn_logit_softcapping", "final_logit_softcapping", "quantization_config"):
         _refuse(d.get(f) is None, f, f"{d.get(f)!r} (only None is supported)")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    _refuse(not any(isinstance(v, dict) for v in rope.values()), "rope_parameters", "per-layer-type rope settings")
+    _refuse(
+        not any(isinstance(v, dict) for v in rope.values()),
+        "rope_parameters",
+        "per-layer-type rope settings",
+    )
     prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     _refuse(prf in (None, 1, 1.0), "partial_rotary_factor", f"{prf!r} (only 1.0 is supported)")
+
 
 def parse_config(d: dict) -> ModelConfig:
     "Read a HF `config.json` dict (transformers 4.x or 5.x layout) into a `ModelConfig`; refuses fields it cannot honour."
     arch = (d.get("architectures") or [None])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r} (model_type {d.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {arch!r} (model_type {d.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     _check_fields(d)
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})   # 5.x keeps rope_theta in here too
+    rope = dict(
+        d.get("rope_parameters") or d.get("rope_scaling") or {}
+    )  # 5.x keeps rope_theta in here too
     theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
     rope.pop("partial_rotary_factor", None)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES: raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     nh = d["num_attention_heads"]
-    bias = bool(d.get("attention_bias", False)) and arch != "MistralForCausalLM"   # transformers' Mistral has no attention biases
-    head_dim = d.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" and "head_dim" not in d else d["hidden_size"] // nh)
+    bias = (
+        bool(d.get("attention_bias", False)) and arch != "MistralForCausalLM"
+    )  # transformers' Mistral has no attention biases
+    head_dim = d.get("head_dim") or (
+        128 if arch == "Qwen3ForCausalLM" and "head_dim" not in d else d["hidden_size"] // nh
+    )
     windows = layer_windows(d, arch)
     return ModelConfig(
-        architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-        num_layers=d["num_hidden_layers"], num_heads=nh, num_kv_heads=d.get("num_key_value_heads") or nh,
-        head_dim=head_dim, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_layers=d["num_hidden_layers"],
+        num_heads=nh,
+        num_kv_heads=d.get("num_key_value_heads") or nh,
+        head_dim=head_dim,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
         rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
         max_position_embeddings=d.get("max_position_embeddings", 2048),
-        sliding_window=next((w for w in windows if w is not None), None), layer_windows=windows if any(windows) else None,
+        sliding_window=next((w for w in windows if w is not None), None),
+        layer_windows=windows if any(windows) else None,
         hidden_act=d.get("hidden_act", "silu"),
-        qkv_bias=bias or arch == "Qwen2ForCausalLM", o_bias=bias and arch != "Qwen2ForCausalLM",
-        mlp_bias=bool(d.get("mlp_bias", False)) and arch == "LlamaForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), torch_dtype=d.get("torch_dtype") or d.get("dtype"))
+        qkv_bias=bias or arch == "Qwen2ForCausalLM",
+        o_bias=bias and arch != "Qwen2ForCausalLM",
+        mlp_bias=bool(d.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+    )
+
 
 # %% ../nbs/05_model.ipynb #cfdf68e1
 class RMSNorm(nn.Module):
     "x / rms(x) * weight, with the statistics in float32."
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
@@ -110,39 +212,57 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+
 # %% ../nbs/05_model.ipynb #965f6843
-def rope_cos_sin(positions,   # (T,) position of each token
-                 inv_freq):   # (D/2,) radians per position of each channel pair
+def rope_cos_sin(
+    positions,  # (T,) position of each token
+    inv_freq,
+):  # (D/2,) radians per position of each channel pair
     "cos and sin of every token's angles, (T, D) each, the D/2 angles repeated (rotate-half layout)."
-    freqs = positions.float()[:, None] * inv_freq[None, :]    # (T, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)                     # (T, D)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
     return emb.cos(), emb.sin()
+
 
 def rotate_half(x):  # (..., D)
     "(x1, x2) -> (-x2, x1) over the two halves of the last dimension."
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
+
 def apply_rope(x, cos, sin):  # x (T, H, D), cos/sin (T, D)
     "Rotate every head of each token by that token's angles."
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)   # (T, 1, D)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # (T, 1, D)
     return x * cos + rotate_half(x) * sin
+
 
 # %% ../nbs/05_model.ipynb #6c1b5c34
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     "Radians per position of each of the head_dim/2 channel pairs, after rope scaling (None, linear or llama3)."
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)  # (D/2,)
-    if scaling is None: return inv
+    inv = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    )  # (D/2,)
+    if scaling is None:
+        return inv
     factor = scaling["factor"]
-    if scaling["rope_type"] == "linear": return inv / factor
-    lo, hi, old = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    lo, hi, old = (
+        scaling["low_freq_factor"],
+        scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
     wavelen = 2 * math.pi / inv
-    smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)   # 0 for wavelen >= old/lo (slowed), 1 for wavelen <= old/hi (kept)
+    smooth = ((old / wavelen - lo) / (hi - lo)).clamp(
+        0, 1
+    )  # 0 for wavelen >= old/lo (slowed), 1 for wavelen <= old/hi (kept)
     return (1 - smooth) * inv / factor + smooth * inv
+
 
 # %% ../nbs/05_model.ipynb #303cc299
 class MLP(nn.Module):
     "Gated feed-forward (SwiGLU for act='silu') with gate and up fused into one matmul."
+
     def __init__(self, hidden: int, inter: int, bias: bool = False, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
@@ -150,34 +270,53 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x):  # (T, hidden)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)       # (T, inter) each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, inter) each
         return self.down_proj(self.act(gate) * up)
+
 
 # %% ../nbs/05_model.ipynb #ad9fd6a8
 class Attention(nn.Module):
     "GQA self-attention over the paged KV cache: fused qkv -> (q/k norm) -> RoPE -> backend -> o_proj."
-    def __init__(self, c: ModelConfig, window: int | None = None):  # window: this layer's sliding window, None = full
+
+    def __init__(
+        self, c: ModelConfig, window: int | None = None
+    ):  # window: this layer's sliding window, None = full
         super().__init__()
         self.nh, self.nkv, self.hd, self.window = c.num_heads, c.num_kv_heads, c.head_dim, window
-        self.qkv_proj = nn.Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias
+        )
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
-        self.scale = self.hd ** -0.5
+        self.scale = self.hd**-0.5
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):  # x (T, hidden), cos/sin (T, D)
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q, k, v = q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
-        if self.q_norm is not None: q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)             # (T, Hq, D), (T, Hkv, D)
-        win = {} if self.window is None else {"window": self.window}        # backends without windows never see the keyword
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **win)  # (T, Hq, D)
+        q, k, v = self.qkv_proj(x).split(
+            [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1
+        )
+        q, k, v = (
+            q.view(T, self.nh, self.hd),
+            k.view(T, self.nkv, self.hd),
+            v.view(T, self.nkv, self.hd),
+        )
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (T, Hq, D), (T, Hkv, D)
+        win = (
+            {} if self.window is None else {"window": self.window}
+        )  # backends without windows never see the keyword
+        o = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **win
+        )  # (T, Hq, D)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
+
 
 # %% ../nbs/05_model.ipynb #fdfb414c
 class DecoderLayer(nn.Module):
     "Pre-norm residual block: h = x + attn(norm(x)); h + mlp(norm(h))."
+
     def __init__(self, c: ModelConfig, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -189,273 +328,460 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+
 class LlamaModel(nn.Module):
     "The Llama-family decoder over a flat batch of tokens and the paged KV cache."
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, w) for w in (c.layer_windows or [None] * c.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, w) for w in (c.layer_windows or [None] * c.num_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings: self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False)
-        self.backend = get_attention_backend("torch")   # load_model / ModelRunner choose the device's backend
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False
+        )
+        self.backend = get_attention_backend(
+            "torch"
+        )  # load_model / ModelRunner choose the device's backend
 
-    def forward(self, input_ids, positions, kv_caches, meta):  # (T,), (T,), [(k_cache, v_cache)] * layers -> (T, hidden)
+    def forward(
+        self, input_ids, positions, kv_caches, meta
+    ):  # (T,), (T,), [(k_cache, v_cache)] * layers -> (T, hidden)
         "Final-normed hidden states of every token of the flat batch; writes this step's K/V into the caches."
-        cos, sin = rope_cos_sin(positions, self.inv_freq)       # (T, D) each, shared by all layers
-        x = self.embed_tokens(input_ids)                        # (T, hidden)
-        for layer, kv in zip(self.layers, kv_caches, strict=True): x = layer(x, cos, sin, kv, meta, self.backend)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # (T, D) each, shared by all layers
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv, meta, self.backend)
         return self.norm(x)
 
     def compute_logits(self, hidden):  # (N, hidden) -> (N, vocab)
         "Vocabulary logits in float32."
         return self.lm_head(hidden).float()
 
+
 # %% ../nbs/05_model.ipynb #aaf44341
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; we compute them
+
 
 def hf_names(name: str) -> list[str]:
     "The checkpoint tensors our parameter `name` is made of (several for a fused projection, stacked in order)."
     full = name if name.startswith("lm_head.") else "model." + name
     for fused in set(_FUSED.values()):
-        if f".{fused}." in full: return [full.replace(fused, part) for part, f in _FUSED.items() if f == fused]
+        if f".{fused}." in full:
+            return [full.replace(fused, part) for part, f in _FUSED.items() if f == fused]
     return [full]
+
 
 # %% ../nbs/05_model.ipynb #8629b5c0
 _SHARD = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
 
+
 def checkpoint_files(path: Path) -> list[Path]:
     "The safetensors shards of checkpoint directory `path`; raises naming a missing shard, or when only pickle weights exist."
     index = path / "model.safetensors.index.json"
-    if index.exists(): files = {path / f for f in json.loads(index.read_text())["weight_map"].values()}
+    if index.exists():
+        files = {path / f for f in json.loads(index.read_text())["weight_map"].values()}
     else:
         files = set(path.glob("*.safetensors"))
-        for f in list(files):   # model-00001-of-00003.safetensors implies its two siblings
+        for f in list(files):  # model-00001-of-00003.safetensors implies its two siblings
             if m := _SHARD.search(f.name):
-                files |= {f.with_name(_SHARD.sub(f"-{i:0{len(m[1])}d}-of-{m[2]}.safetensors", f.name)) for i in range(1, int(m[2]) + 1)}
+                files |= {
+                    f.with_name(_SHARD.sub(f"-{i:0{len(m[1])}d}-of-{m[2]}.safetensors", f.name))
+                    for i in range(1, int(m[2]) + 1)
+                }
     if not files:
         pickles = sorted(f.name for f in path.iterdir() if f.suffix in (".bin", ".pt", ".pth"))
-        if pickles: raise ValueError(f"{path} holds only pickle weights ({', '.join(pickles)}); hetero_infer loads safetensors only "
-                                     "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))")
+        if pickles:
+            raise ValueError(
+                f"{path} holds only pickle weights ({', '.join(pickles)}); hetero_infer loads safetensors only "
+                "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
+            )
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     for f in sorted(files):
-        if not f.exists(): raise FileNotFoundError(f"checkpoint shard {f.name} is missing from {path}")
+        if not f.exists():
+            raise FileNotFoundError(f"checkpoint shard {f.name} is missing from {path}")
     return sorted(files)
 
+
 # %% ../nbs/05_model.ipynb #2a73489b
-def gpu_dtype(dtype: torch.dtype, device, explicit: bool, capability: tuple | None = None) -> torch.dtype:
+def gpu_dtype(
+    dtype: torch.dtype, device, explicit: bool, capability: tuple | None = None
+) -> torch.dtype:
     "bf16 on a GPU without it (compute capability < 8.0, e.g. a T4): refused when asked for, else float16 with a warning (as vLLM does)."
-    if dtype != torch.bfloat16 or torch.device(device).type != "cuda": return dtype
+    if dtype != torch.bfloat16 or torch.device(device).type != "cuda":
+        return dtype
     cap = tuple(capability or torch.cuda.get_device_capability(torch.device(device)))
-    if cap >= (8, 0): return dtype
-    if explicit: raise ValueError(f"dtype='bfloat16' needs a GPU of compute capability 8.0 or newer, this one has {cap[0]}.{cap[1]}; "
-                                  "use dtype='float16' or 'auto'")
-    warnings.warn(f"this GPU (compute capability {cap[0]}.{cap[1]}) has no bfloat16: the bfloat16 checkpoint runs in float16")
+    if cap >= (8, 0):
+        return dtype
+    if explicit:
+        raise ValueError(
+            f"dtype='bfloat16' needs a GPU of compute capability 8.0 or newer, this one has {cap[0]}.{cap[1]}; "
+            "use dtype='float16' or 'auto'"
+        )
+    warnings.warn(
+        f"this GPU (compute capability {cap[0]}.{cap[1]}) has no bfloat16: the bfloat16 checkpoint runs in float16"
+    )
     return torch.float16
+
 
 def attention_backend_for(name: str, c: ModelConfig, dtype: torch.dtype, device):
     "The attention backend `name` for this model: `auto` falls back to torch (with a warning) where Triton cannot run it; an explicit `triton` that cannot is refused."
     b = get_attention_backend(name, device)
-    if b.name != "triton": return b
+    if b.name != "triton":
+        return b
     from hetero_infer.kernels import triton_unsupported
+
     why = triton_unsupported(c.head_dim, dtype, device)
-    if why is None: return b
-    if name == "triton": raise ValueError(f"attention_backend='triton' cannot run this model: {why}")
+    if why is None:
+        return b
+    if name == "triton":
+        raise ValueError(f"attention_backend='triton' cannot run this model: {why}")
     warnings.warn(f"{why}: using the torch attention backend")
     return get_attention_backend("torch")
+
 
 # %% ../nbs/05_model.ipynb #80462e53
 def _open_shards(files, stack) -> dict:
     "Open every shard lazily: checkpoint tensor name -> (handle, file)."
     where = {}
     for f in files:
-        try: h = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-        except Exception as e: raise ValueError(f"checkpoint shard {f.name} is corrupt or unreadable: {e}") from None
-        for k in h.keys(): where[k] = (h, f)
+        try:
+            h = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+        except Exception as e:
+            raise ValueError(f"checkpoint shard {f.name} is corrupt or unreadable: {e}") from None
+        for k in h.keys():
+            where[k] = (h, f)
     return where
+
 
 def _read(where, name):
     h, f = where[name]
-    try: return h.get_tensor(name)
-    except Exception as e: raise ValueError(f"checkpoint shard {f.name} is corrupt: cannot read {name}: {e}") from None
+    try:
+        return h.get_tensor(name)
+    except Exception as e:
+        raise ValueError(f"checkpoint shard {f.name} is corrupt: cannot read {name}: {e}") from None
 
-DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+DTYPE_ALIASES = {
+    "half": "float16",
+    "fp16": "float16",
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}
+
 
 def _to_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16, torch.bfloat16): return dtype
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return dtype
     dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in ("float32", "float16", "bfloat16"): raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     return getattr(torch, dtype)
+
 
 def dtype_name(dtype) -> str:
     "The canonical name of a dtype given as vLLM accepts it: 'auto', a name or alias ('half', 'float', ...) or a torch.dtype."
     return "auto" if dtype == "auto" else str(_to_dtype(dtype)).removeprefix("torch.")
 
-def _names(xs): return ", ".join(xs[:8]) + (f" ... ({len(xs)} in all)" if len(xs) > 8 else "")
 
-def load_model(path,                  # HF checkpoint directory: config.json + *.safetensors
-               dtype=None,            # torch dtype or its name; None: the checkpoint's, else float32
-               device="cpu") -> LlamaModel:
+def _names(xs):
+    return ", ".join(xs[:8]) + (f" ... ({len(xs)} in all)" if len(xs) > 8 else "")
+
+
+def load_model(
+    path,  # HF checkpoint directory: config.json + *.safetensors
+    dtype=None,  # torch dtype or its name; None: the checkpoint's, else float32
+    device="cpu",
+) -> LlamaModel:
     "Build the decoder from a local HF checkpoint directory (safetensors only), weights in `dtype` on `device`."
     path = Path(path)
-    if not (path / "config.json").exists(): raise FileNotFoundError(f"no config.json in {path}")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}")
     c = parse_config(json.loads((path / "config.json").read_text()))
-    dtype = gpu_dtype(_to_dtype(dtype or c.torch_dtype or "float32"), device, explicit=dtype is not None)
-    with torch.device("meta"): model = LlamaModel(c)
-    params = dict(model.named_parameters())    # a tied lm_head appears once, as embed_tokens.weight
+    dtype = gpu_dtype(
+        _to_dtype(dtype or c.torch_dtype or "float32"), device, explicit=dtype is not None
+    )
+    with torch.device("meta"):
+        model = LlamaModel(c)
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens.weight
     need = {n: hf_names(n) for n in params}
     with contextlib.ExitStack() as stack:
         where = _open_shards(checkpoint_files(path), stack)
-        known = {h for hs in need.values() for h in hs} | ({"lm_head.weight"} if c.tie_word_embeddings else set())
+        known = {h for hs in need.values() for h in hs} | (
+            {"lm_head.weight"} if c.tie_word_embeddings else set()
+        )
         missing = sorted(h for hs in need.values() for h in hs if h not in where)
         unexpected = sorted(k for k in where if k not in known and not k.endswith(_IGNORED))
-        if missing: raise ValueError(f"checkpoint {path} lacks weights: {_names(missing)}")
-        if unexpected: raise ValueError(f"checkpoint {path} has weights this {c.architecture} config does not use: {_names(unexpected)}")
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks weights: {_names(missing)}")
+        if unexpected:
+            raise ValueError(
+                f"checkpoint {path} has weights this {c.architecture} config does not use: {_names(unexpected)}"
+            )
         for n, p in params.items():
             t = torch.cat([_read(where, h) for h in need[n]]).to(device=device, dtype=dtype)
-            if t.shape != p.shape: raise ValueError(f"weight {n} has shape {tuple(t.shape)} in the checkpoint, the config implies {tuple(p.shape)}")
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"weight {n} has shape {tuple(t.shape)} in the checkpoint, the config implies {tuple(p.shape)}"
+                )
             mod, _, attr = n.rpartition(".")
             setattr(model.get_submodule(mod), attr, nn.Parameter(t, requires_grad=False))
-    if c.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
+    if c.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     model.backend = attention_backend_for("auto", c, dtype, device)
     return model.to(device).eval()
 
+
 # %% ../nbs/05_model.ipynb #3a06b592
-CPU_KV_CACHE_BYTES = 512 * 2**20   # KV-cache budget on CPU
+CPU_KV_CACHE_BYTES = 512 * 2**20  # KV-cache budget on CPU
+
 
 def resolve_device(device: str) -> str:
     "auto -> cuda when available, else cpu; cuda without a GPU raises naming device."
-    if device == "auto": return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but this torch build sees no CUDA GPU (torch {torch.__version__}); use device='cpu' or 'auto'")
+        raise ValueError(
+            f"device={device!r} but this torch build sees no CUDA GPU (torch {torch.__version__}); use device='cpu' or 'auto'"
+        )
     return device
 
-def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None, capability: tuple | None = None) -> torch.dtype:
+
+def resolve_dtype(
+    dtype: str, device: str, checkpoint_dtype: str | None = None, capability: tuple | None = None
+) -> torch.dtype:
     "auto -> the checkpoint's dtype on GPU (float32 if it names none; float16 for bfloat16 before sm_80), float32 on CPU."
-    if dtype != "auto": return gpu_dtype(_to_dtype(dtype), device, True, capability)
-    if torch.device(device).type != "cuda": return torch.float32
+    if dtype != "auto":
+        return gpu_dtype(_to_dtype(dtype), device, True, capability)
+    if torch.device(device).type != "cuda":
+        return torch.float32
     return gpu_dtype(_to_dtype(checkpoint_dtype or "float32"), device, False, capability)
 
 
 def kv_block_bytes(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     "Bytes one KV block takes over all layers, K and V."
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return (
+        2
+        * c.num_layers
+        * block_size
+        * c.num_kv_heads
+        * c.head_dim
+        * torch.empty(0, dtype=dtype).element_size()
+    )
+
 
 # %% ../nbs/05_model.ipynb #0f8d59fd
-_TORCH_DEFAULT_THREADS = torch.get_num_threads()   # the count torch chose at start-up
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()  # the count torch chose at start-up
 _threads_decided = False
 
-def cpu_threads(cores: int | None = None,   # CPUs this process may run on; None: its affinity mask
-                load: float | None = None   # the machine's 1-minute load average; None: os.getloadavg()
-               ) -> int:
+
+def cpu_threads(
+    cores: int | None = None,  # CPUs this process may run on; None: its affinity mask
+    load: float | None = None,  # the machine's 1-minute load average; None: os.getloadavg()
+) -> int:
     "Intra-op threads for a CPU engine: the cores other work leaves idle, at least 1 and at most torch's default."
-    if cores is None: cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if load is None: load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if cores is None:
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     return max(1, min(_TORCH_DEFAULT_THREADS, cores - int(load)))
+
 
 def set_cpu_threads() -> int:
     "Apply `cpu_threads()` once per process unless the user chose a count; returns the intra-op threads in use."
     global _threads_decided
-    if not _threads_decided and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() == _TORCH_DEFAULT_THREADS:
+    if (
+        not _threads_decided
+        and "OMP_NUM_THREADS" not in os.environ
+        and torch.get_num_threads() == _TORCH_DEFAULT_THREADS
+    ):
         torch.set_num_threads(cpu_threads())
     _threads_decided = True
     return torch.get_num_threads()
 
+
 # %% ../nbs/05_model.ipynb #0dd51dcc
 class ModelRunner:
     "Owns the model and its paged KV cache; turns a `SchedulerOutput` into one forward pass and the logits to sample."
-    def __init__(self, config,                     # EngineConfig
-                 model: LlamaModel | None = None): # an already loaded model; None loads config.model
+
+    def __init__(
+        self,
+        config,  # EngineConfig
+        model: LlamaModel | None = None,
+    ):  # an already loaded model; None loads config.model
         self.config = config
         if model is None:
-            if config.model is None: raise ValueError("model: a checkpoint directory is needed (the engine resolves the demo model)")
+            if config.model is None:
+                raise ValueError(
+                    "model: a checkpoint directory is needed (the engine resolves the demo model)"
+                )
             device = resolve_device(config.device)
             cfg_file = Path(config.model) / "config.json"
             d = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
             ckpt_dtype = d.get("torch_dtype") or d.get("dtype")
-            model = load_model(config.model, resolve_dtype(config.dtype, device, ckpt_dtype), device)
+            model = load_model(
+                config.model, resolve_dtype(config.dtype, device, ckpt_dtype), device
+            )
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
-        self.model.backend = attention_backend_for(config.attention_backend, model.config, self.dtype, self.device)
+        self.model.backend = attention_backend_for(
+            config.attention_backend, model.config, self.dtype, self.device
+        )
         self._check_windows()
-        self.threads = set_cpu_threads() if self.device.type == "cpu" else None   # intra-op threads on CPU
+        self.threads = (
+            set_cpu_threads() if self.device.type == "cpu" else None
+        )  # intra-op threads on CPU
         self.block_size = config.block_size
         self.max_model_len = self._max_model_len()
         self.num_blocks = config.num_blocks or self._num_blocks()
         c = model.config
-        shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)   # [num_blocks, bs, Hkv, D]
-        self.kv_caches = [tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv") for _ in range(c.num_layers)]
+        shape = (
+            self.num_blocks,
+            self.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+        )  # [num_blocks, bs, Hkv, D]
+        self.kv_caches = [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
+            for _ in range(c.num_layers)
+        ]
 
     def __repr__(self):
-        return (f"ModelRunner({self.model.config.architecture}, {self.device}, {self.dtype}, backend={self.model.backend.name}, "
-                f"num_blocks={self.num_blocks} x {self.block_size} tokens, max_model_len={self.max_model_len}"
-                + (f", threads={self.threads})" if self.threads else ")"))
+        return (
+            f"ModelRunner({self.model.config.architecture}, {self.device}, {self.dtype}, backend={self.model.backend.name}, "
+            f"num_blocks={self.num_blocks} x {self.block_size} tokens, max_model_len={self.max_model_len}"
+            + (f", threads={self.threads})" if self.threads else ")")
+        )
 
     def _check_windows(self):
         "Refuse a sliding-window model on a backend whose `forward` takes no `window`."
         import inspect
+
         c, b = self.model.config, self.model.backend
-        if c.layer_windows and not all("window" in inspect.signature(getattr(b, m)).parameters for m in ("forward", "decode", "prefill")):
-            raise ValueError(f"attention_backend {b.name!r} does not support sliding windows, which this model's sliding_window={c.sliding_window} needs")
+        if c.layer_windows and not all(
+            "window" in inspect.signature(getattr(b, m)).parameters
+            for m in ("forward", "decode", "prefill")
+        ):
+            raise ValueError(
+                f"attention_backend {b.name!r} does not support sliding windows, which this model's sliding_window={c.sliding_window} needs"
+            )
 
     def _max_model_len(self) -> int:
         "config.max_model_len, else the model's limit (max_position_embeddings); more than the limit raises naming max_model_len."
         limit = self.model.config.max_position_embeddings
         n = self.config.max_model_len or limit
-        if n > limit: raise ValueError(f"max_model_len ({n}) exceeds the model's limit of {limit} tokens")
+        if n > limit:
+            raise ValueError(f"max_model_len ({n}) exceeds the model's limit of {limit} tokens")
         return n
 
     def _activation_bytes(self) -> int:
         "A generous bound on one step's working memory: the widest activations of a full token budget, and float32 logits."
         c, cfg = self.model.config, self.config
-        width = 3 * c.intermediate_size + 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        return cfg.max_num_batched_tokens * width * torch.empty(0, dtype=self.dtype).element_size() + 3 * cfg.max_num_seqs * c.vocab_size * 4
+        width = (
+            3 * c.intermediate_size
+            + 4 * c.hidden_size
+            + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        )
+        return (
+            cfg.max_num_batched_tokens * width * torch.empty(0, dtype=self.dtype).element_size()
+            + 3 * cfg.max_num_seqs * c.vocab_size * 4
+        )
 
     def _num_blocks(self) -> int:
         "KV blocks that fit: on GPU, free memory x gpu_memory_utilization after weights and activations; on CPU, a fixed budget."
         per_block = kv_block_bytes(self.model.config, self.block_size, self.dtype)
-        if self.device.type != "cuda":   # a fixed budget, but no more than max_num_seqs full-length sequences can use
-            return max(1, min(CPU_KV_CACHE_BYTES // per_block, self.config.max_num_seqs * -(-self.max_model_len // self.block_size)))
+        if (
+            self.device.type != "cuda"
+        ):  # a fixed budget, but no more than max_num_seqs full-length sequences can use
+            return max(
+                1,
+                min(
+                    CPU_KV_CACHE_BYTES // per_block,
+                    self.config.max_num_seqs * -(-self.max_model_len // self.block_size),
+                ),
+            )
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - total * (1 - self.config.gpu_memory_utilization) - self._activation_bytes()
         if budget < per_block:
-            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for the KV cache "
-                             f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after loading the weights)")
+            raise ValueError(
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for the KV cache "
+                f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB after loading the weights)"
+            )
         return int(budget // per_block)
 
     def copy_blocks(self, copies):  # [(src_block, dst_block)]
         "Copy each src block to its dst block in every layer's K and V cache."
-        if not copies: return
+        if not copies:
+            return
         src, dst = (torch.tensor(x, device=self.device) for x in zip(*copies))
-        for k_cache, v_cache in self.kv_caches: k_cache[dst], v_cache[dst] = k_cache[src], v_cache[src]
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst], v_cache[dst] = k_cache[src], v_cache[src]
 
     def prepare(self, sched_out):
         "Flat input_ids (T,), positions (T,), AttentionMetadata and the rows (N,) of the tokens that sample (k + 1 rows for a sequence verifying k proposals)."
         ids, pos, slots, seq_lens, tables, sample_rows, qsl = [], [], [], [], [], [], [0]
-        for item in sched_out.scheduled:            # a verification of k proposals is a chunk of k + 1 tokens, like a prefill chunk
+        for item in (
+            sched_out.scheduled
+        ):  # a verification of k proposals is a chunk of k + 1 tokens, like a prefill chunk
             seq, n, start = item.seq, item.num_tokens, item.seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]; pos += range(start, start + n); slots += list(item.slot_mapping)
-            seq_lens.append(start + n); qsl.append(qsl[-1] + n)
-            need = -(-(start + n) // self.block_size)                                  # blocks the context spans
-            if len(seq.block_table) < need: raise RuntimeError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, needs {need} for {start + n} tokens")
+            ids += seq.token_ids[start : start + n]
+            pos += range(start, start + n)
+            slots += list(item.slot_mapping)
+            seq_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+            need = -(-(start + n) // self.block_size)  # blocks the context spans
+            if len(seq.block_table) < need:
+                raise RuntimeError(
+                    f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, needs {need} for {start + n} tokens"
+                )
             tables.append(list(seq.block_table[:need]))
-            if start + n == len(seq): sample_rows += range(qsl[-1] - 1 - seq.num_spec_tokens, qsl[-1])   # and each proposal's row
+            if start + n == len(seq):
+                sample_rows += range(
+                    qsl[-1] - 1 - seq.num_spec_tokens, qsl[-1]
+                )  # and each proposal's row
         M = max(len(t) for t in tables)
-        num_decodes = next((i for i, item in enumerate(sched_out.scheduled) if item.num_tokens != 1), len(tables))
-        def t(x, dt): return torch.tensor(x, dtype=dt).to(self.device, non_blocking=True)
-        meta = AttentionMetadata(slot_mapping=t(slots, torch.int64), query_start_loc=t(qsl, torch.int32), seq_lens=t(seq_lens, torch.int32),
-                                 block_tables=t([b + [0] * (M - len(b)) for b in tables], torch.int32), num_decodes=num_decodes,
-                                 max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])), max_seq_len=max(seq_lens))
+        num_decodes = next(
+            (i for i, item in enumerate(sched_out.scheduled) if item.num_tokens != 1), len(tables)
+        )
+
+        def t(x, dt):
+            return torch.tensor(x, dtype=dt).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots, torch.int64),
+            query_start_loc=t(qsl, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            block_tables=t([b + [0] * (M - len(b)) for b in tables], torch.int32),
+            num_decodes=num_decodes,
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max(seq_lens),
+        )
         return t(ids, torch.int64), t(pos, torch.int64), meta, t(sample_rows, torch.int64)
 
     @torch.inference_mode()
     def execute(self, sched_out) -> torch.Tensor:
         "Run one step: block copies, then one forward pass; logits (N, vocab) float32 of the rows that sample, in `scheduled` order."
         self.copy_blocks(sched_out.block_copies)
-        if not sched_out.scheduled: return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        if not sched_out.scheduled:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
         input_ids, positions, meta, rows = self.prepare(sched_out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)   # (T, hidden)
-        return self.model.compute_logits(hidden[rows])                    # (N, vocab)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, hidden)
+        return self.model.compute_logits(hidden[rows])  # (N, vocab)

@@ -4,74 +4,145 @@
 
 # %% ../nbs/13_tensor_parallel.ipynb #f42ff3ec
 from __future__ import annotations
-import atexit, dataclasses, datetime, json, os, socket, sys, time
+import atexit
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-import torch, torch.nn as nn, torch.nn.functional as F
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 import torch.distributed as dist
 from safetensors import safe_open
-from .model import LlamaModel, ModelConfig, ModelRunner, parse_config, hf_names, checkpoint_files, resolve_device, resolve_dtype
+from hetero_infer.model import (
+    LlamaModel,
+    ModelConfig,
+    ModelRunner,
+    parse_config,
+    hf_names,
+    checkpoint_files,
+    resolve_device,
+    resolve_dtype,
+)
 
 # %% auto #0
-__all__ = ['COMM_BYTES', 'COMM_SECONDS', 'COLLECTIVE_TIMEOUT_S', 'ShardPlan', 'shard_plan', 'all_reduce', 'all_gather_last',
-           'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'local_config', 'shard_model', 'shard_of',
-           'load_shard', 'run_step', 'TensorParallelRunner', 'rank_runner', 'worker_loop', 'init_group',
-           'start_workers', 'make_runner']
+__all__ = [
+    "COMM_BYTES",
+    "COMM_SECONDS",
+    "COLLECTIVE_TIMEOUT_S",
+    "ShardPlan",
+    "shard_plan",
+    "all_reduce",
+    "all_gather_last",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "local_config",
+    "shard_model",
+    "shard_of",
+    "load_shard",
+    "run_step",
+    "TensorParallelRunner",
+    "rank_runner",
+    "worker_loop",
+    "init_group",
+    "start_workers",
+    "make_runner",
+]
+
 
 # %% ../nbs/13_tensor_parallel.ipynb #1fe0e6ac
 @dataclass
 class ShardPlan:
     "The slices of a model one rank holds."
+
     rank: int
     world_size: int
-    q_heads: range          # query heads of this rank
-    kv_heads: range         # KV heads of this rank (one replicated head when num_kv_heads < world_size)
-    inter: range            # intermediate (MLP) features of this rank
-    vocab: range            # vocabulary rows of this rank, within the padded vocabulary
-    vocab_per_rank: int     # rows every rank holds (the padded vocabulary / world_size)
+    q_heads: range  # query heads of this rank
+    kv_heads: range  # KV heads of this rank (one replicated head when num_kv_heads < world_size)
+    inter: range  # intermediate (MLP) features of this rank
+    vocab: range  # vocabulary rows of this rank, within the padded vocabulary
+    vocab_per_rank: int  # rows every rank holds (the padded vocabulary / world_size)
+
 
 def _split(n: int, rank: int, world: int) -> range:
     k = n // world
     return range(rank * k, (rank + 1) * k)
 
+
 def shard_plan(c: ModelConfig, rank: int, world_size: int) -> ShardPlan:
     "What rank `rank` of `world_size` holds; raises naming tensor_parallel_size when the model cannot be split that way."
+
     def need(ok, what):
-        if not ok: raise ValueError(f"tensor_parallel_size ({world_size}) must divide {what}")
+        if not ok:
+            raise ValueError(f"tensor_parallel_size ({world_size}) must divide {what}")
+
     need(c.num_heads % world_size == 0, f"num_attention_heads ({c.num_heads})")
-    need(c.num_kv_heads % world_size == 0 or world_size % c.num_kv_heads == 0, f"num_key_value_heads ({c.num_kv_heads}) or be a multiple of it")
+    need(
+        c.num_kv_heads % world_size == 0 or world_size % c.num_kv_heads == 0,
+        f"num_key_value_heads ({c.num_kv_heads}) or be a multiple of it",
+    )
     need(c.intermediate_size % world_size == 0, f"intermediate_size ({c.intermediate_size})")
-    if c.num_kv_heads >= world_size: kv = _split(c.num_kv_heads, rank, world_size)
-    else: kv = range(rank * c.num_kv_heads // world_size, rank * c.num_kv_heads // world_size + 1)   # replicated
+    if c.num_kv_heads >= world_size:
+        kv = _split(c.num_kv_heads, rank, world_size)
+    else:
+        kv = range(
+            rank * c.num_kv_heads // world_size, rank * c.num_kv_heads // world_size + 1
+        )  # replicated
     per = -(-c.vocab_size // world_size)
-    return ShardPlan(rank, world_size, _split(c.num_heads, rank, world_size), kv, _split(c.intermediate_size, rank, world_size),
-                     range(rank * per, (rank + 1) * per), per)
+    return ShardPlan(
+        rank,
+        world_size,
+        _split(c.num_heads, rank, world_size),
+        kv,
+        _split(c.intermediate_size, rank, world_size),
+        range(rank * per, (rank + 1) * per),
+        per,
+    )
+
 
 # %% ../nbs/13_tensor_parallel.ipynb #410e4f78
-COMM_BYTES = {"all_reduce": 0, "all_gather": 0}     # bytes this process passed to each collective
-COMM_SECONDS = {"all_reduce": 0.0, "all_gather": 0.0} # seconds this process spent in each (waiting for slower ranks included)
+COMM_BYTES = {"all_reduce": 0, "all_gather": 0}  # bytes this process passed to each collective
+COMM_SECONDS = {
+    "all_reduce": 0.0,
+    "all_gather": 0.0,
+}  # seconds this process spent in each (waiting for slower ranks included)
 
-def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     "Sum `x` over the ranks, in place (the identity with one rank)."
     if _world() > 1:
         t = time.perf_counter()
         dist.all_reduce(x)
-        COMM_BYTES["all_reduce"] += x.numel() * x.element_size(); COMM_SECONDS["all_reduce"] += time.perf_counter() - t
+        COMM_BYTES["all_reduce"] += x.numel() * x.element_size()
+        COMM_SECONDS["all_reduce"] += time.perf_counter() - t
     return x
+
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     "Concatenate every rank's `x` along the last dimension, in rank order."
-    if _world() == 1: return x
+    if _world() == 1:
+        return x
     t = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(_world())]
     dist.all_gather(parts, x.contiguous())
-    COMM_BYTES["all_gather"] += x.numel() * x.element_size(); COMM_SECONDS["all_gather"] += time.perf_counter() - t
+    COMM_BYTES["all_gather"] += x.numel() * x.element_size()
+    COMM_SECONDS["all_gather"] += time.perf_counter() - t
     return torch.cat(parts, dim=-1)
+
 
 class RowParallelLinear(nn.Module):
     "A linear layer holding some input features: partial products summed over ranks (one all-reduce), then the bias once."
+
     def __init__(self, in_local: int, out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out, in_local))
@@ -81,8 +152,10 @@ class RowParallelLinear(nn.Module):
         y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
+
 class VocabParallelEmbedding(nn.Module):
     "An embedding holding vocabulary rows [start, start + rows): ids elsewhere give zeros here, and the all-reduce fills them in."
+
     def __init__(self, rows: int, hidden: int, start: int = 0):
         super().__init__()
         self.weight, self.start = nn.Parameter(torch.empty(rows, hidden)), start
@@ -93,19 +166,28 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
         return all_reduce(x)
 
+
 class ParallelLMHead(nn.Module):
     "The LM head holding vocabulary rows of the padded vocabulary: local logits, gathered across ranks, padding cut off."
+
     def __init__(self, rows: int, hidden: int, vocab_size: int):
         super().__init__()
         self.weight, self.vocab_size = nn.Parameter(torch.empty(rows, hidden)), vocab_size
 
     def forward(self, h):  # (N, hidden) -> (N, vocab)
-        return all_gather_last(F.linear(h, self.weight))[:, :self.vocab_size]
+        return all_gather_last(F.linear(h, self.weight))[:, : self.vocab_size]
+
 
 # %% ../nbs/13_tensor_parallel.ipynb #55c2ecca
 def local_config(c: ModelConfig, plan: ShardPlan) -> ModelConfig:
     "The model config of one rank: its head counts and intermediate size; the vocabulary stays whole."
-    return dataclasses.replace(c, num_heads=len(plan.q_heads), num_kv_heads=len(plan.kv_heads), intermediate_size=len(plan.inter))
+    return dataclasses.replace(
+        c,
+        num_heads=len(plan.q_heads),
+        num_kv_heads=len(plan.kv_heads),
+        intermediate_size=len(plan.inter),
+    )
+
 
 def shard_model(c: ModelConfig, plan: ShardPlan) -> LlamaModel:
     "An empty (meta-device) `LlamaModel` of one rank, with row-parallel output projections and vocabulary-parallel ends."
@@ -113,35 +195,54 @@ def shard_model(c: ModelConfig, plan: ShardPlan) -> LlamaModel:
     with torch.device("meta"):
         m = LlamaModel(lc)
         for layer in m.layers:
-            layer.self_attn.o_proj = RowParallelLinear(lc.num_heads * c.head_dim, c.hidden_size, c.o_bias)
+            layer.self_attn.o_proj = RowParallelLinear(
+                lc.num_heads * c.head_dim, c.hidden_size, c.o_bias
+            )
             layer.mlp.down_proj = RowParallelLinear(lc.intermediate_size, c.hidden_size, c.mlp_bias)
-        m.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, c.hidden_size, plan.vocab.start)
+        m.embed_tokens = VocabParallelEmbedding(
+            plan.vocab_per_rank, c.hidden_size, plan.vocab.start
+        )
         m.lm_head = ParallelLMHead(plan.vocab_per_rank, c.hidden_size, c.vocab_size)
-        if c.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight   # the same rows of the same matrix
+        if c.tie_word_embeddings:
+            m.lm_head.weight = m.embed_tokens.weight  # the same rows of the same matrix
     return m
+
 
 # %% ../nbs/13_tensor_parallel.ipynb #2a92a3e8
 def _rows(sl, r: range, rows: int | None = None) -> torch.Tensor:
     "Rows `r` of a safetensors slice, zero-padded to `rows` rows when `r` runs past the end."
     n = sl.get_shape()[0]
-    t = sl[min(r.start, n):min(r.stop, n)]
-    if rows is not None and t.shape[0] < rows: t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    t = sl[min(r.start, n) : min(r.stop, n)]
+    if rows is not None and t.shape[0] < rows:
+        t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
     return t
 
-def _heads(r: range, hd: int) -> range: return range(r.start * hd, r.stop * hd)
+
+def _heads(r: range, hd: int) -> range:
+    return range(r.start * hd, r.stop * hd)
+
 
 def shard_of(name: str, get, c: ModelConfig, plan: ShardPlan) -> torch.Tensor:
     "This rank's slice of our parameter `name`; `get(hf_name)` returns a safetensors slice of a checkpoint tensor."
     hd, parts = c.head_dim, hf_names(name)
     if ".qkv_proj." in name:
         q, k, v = (get(h) for h in parts)
-        return torch.cat([_rows(q, _heads(plan.q_heads, hd)), _rows(k, _heads(plan.kv_heads, hd)), _rows(v, _heads(plan.kv_heads, hd))])
-    if ".gate_up_proj." in name: return torch.cat([_rows(get(h), plan.inter) for h in parts])
+        return torch.cat(
+            [
+                _rows(q, _heads(plan.q_heads, hd)),
+                _rows(k, _heads(plan.kv_heads, hd)),
+                _rows(v, _heads(plan.kv_heads, hd)),
+            ]
+        )
+    if ".gate_up_proj." in name:
+        return torch.cat([_rows(get(h), plan.inter) for h in parts])
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         r = _heads(plan.q_heads, hd) if "o_proj" in name else plan.inter
-        return get(parts[0])[:, r.start:r.stop]
-    if name in ("embed_tokens.weight", "lm_head.weight"): return _rows(get(parts[0]), plan.vocab, plan.vocab_per_rank)
+        return get(parts[0])[:, r.start : r.stop]
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return _rows(get(parts[0]), plan.vocab, plan.vocab_per_rank)
     return get(parts[0])[:]
+
 
 def load_shard(path, plan: ShardPlan, dtype: torch.dtype, device="cpu") -> LlamaModel:
     "Build one rank's model from a local HF checkpoint directory, reading only its shard of each tensor."
@@ -151,20 +252,34 @@ def load_shard(path, plan: ShardPlan, dtype: torch.dtype, device="cpu") -> Llama
     with_files = {}
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in checkpoint_files(path)]
     for h in handles:
-        for k in h.keys(): with_files[k] = h
+        for k in h.keys():
+            with_files[k] = h
+
     def get(hf_name):
-        if hf_name not in with_files: raise ValueError(f"checkpoint {path} lacks weight {hf_name}")
+        if hf_name not in with_files:
+            raise ValueError(f"checkpoint {path} lacks weight {hf_name}")
         return with_files[hf_name].get_slice(hf_name)
-    for n, p in dict(m.named_parameters()).items():   # a tied lm_head appears once, as embed_tokens.weight
+
+    for n, p in dict(
+        m.named_parameters()
+    ).items():  # a tied lm_head appears once, as embed_tokens.weight
         t = shard_of(n, get, c, plan).to(device=device, dtype=dtype)
-        if t.shape != p.shape: raise ValueError(f"weight {n}: shard of shape {tuple(t.shape)}, rank {plan.rank} expects {tuple(p.shape)}")
+        if t.shape != p.shape:
+            raise ValueError(
+                f"weight {n}: shard of shape {tuple(t.shape)}, rank {plan.rank} expects {tuple(p.shape)}"
+            )
         mod, _, attr = n.rpartition(".")
         setattr(m.get_submodule(mod), attr, nn.Parameter(t, requires_grad=False))
-    if c.tie_word_embeddings: m.lm_head.weight = m.embed_tokens.weight
+    if c.tie_word_embeddings:
+        m.lm_head.weight = m.embed_tokens.weight
     return m.to(device).eval()
 
+
 # %% ../nbs/13_tensor_parallel.ipynb #5eb0e272
-COLLECTIVE_TIMEOUT_S = 120.0   # a collective that waits longer (a dead or stuck rank) raises instead of hanging
+COLLECTIVE_TIMEOUT_S = (
+    120.0  # a collective that waits longer (a dead or stuck rank) raises instead of hanging
+)
+
 
 def _broadcast(obj):
     "Send `obj` from rank 0 to every rank (pickled); other ranks pass None and get it back."
@@ -172,42 +287,68 @@ def _broadcast(obj):
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
+
 @torch.inference_mode()
 def run_step(runner: ModelRunner, step) -> torch.Tensor | None:
     "One rank's part of a step: block copies, then the forward pass over its shard; the full logits (N, vocab) when it samples."
     copies, inputs = step
     runner.copy_blocks(copies)
-    if inputs is None: return None
-    input_ids, positions, meta, rows = (t.to(runner.device) if torch.is_tensor(t) else _meta_to(t, runner.device) for t in inputs)
-    hidden = runner.model(input_ids, positions, runner.kv_caches, meta)   # (T, hidden), equal on every rank
-    return runner.model.compute_logits(hidden[rows])                      # (N, vocab)
+    if inputs is None:
+        return None
+    input_ids, positions, meta, rows = (
+        t.to(runner.device) if torch.is_tensor(t) else _meta_to(t, runner.device) for t in inputs
+    )
+    hidden = runner.model(
+        input_ids, positions, runner.kv_caches, meta
+    )  # (T, hidden), equal on every rank
+    return runner.model.compute_logits(hidden[rows])  # (N, vocab)
+
 
 def _meta_to(meta, device):
     "`AttentionMetadata` with its tensors on `device` (the broadcast pickles CPU tensors)."
-    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta) if torch.is_tensor(getattr(meta, f.name))})
+    return dataclasses.replace(
+        meta,
+        **{
+            f.name: getattr(meta, f.name).to(device)
+            for f in dataclasses.fields(meta)
+            if torch.is_tensor(getattr(meta, f.name))
+        },
+    )
+
 
 class TensorParallelRunner(ModelRunner):
     "Rank 0's runner: prepares each step, broadcasts it to the other ranks, and runs its own shard beside them."
+
     def __init__(self, config, model: LlamaModel, workers=()):
         super().__init__(config, model)
-        self.workers, self.closed, self.broken = list(workers), False, None   # broken: why the group cannot run another step
+        self.workers, self.closed, self.broken = (
+            list(workers),
+            False,
+            None,
+        )  # broken: why the group cannot run another step
         self._sync_num_blocks()
 
     def _sync_num_blocks(self):
         "Every rank keeps the smallest block count any rank can afford, so block ids agree everywhere."
         n = torch.tensor([self.num_blocks])
         dist.all_reduce(n, op=dist.ReduceOp.MIN)
-        if int(n) != self.num_blocks: _resize_cache(self, int(n))
+        if int(n) != self.num_blocks:
+            _resize_cache(self, int(n))
 
-    def __repr__(self): return f"TensorParallelRunner(rank 0 of {_world()}: " + super().__repr__().removeprefix("ModelRunner(")
+    def __repr__(self):
+        return f"TensorParallelRunner(rank 0 of {_world()}: " + super().__repr__().removeprefix(
+            "ModelRunner("
+        )
 
     def check_workers(self):
         "Raise, naming the rank, if a worker process this runner started has exited (or the group broke earlier)."
-        if self.closed: raise RuntimeError("this tensor-parallel engine was closed; start a new one")
+        if self.closed:
+            raise RuntimeError("this tensor-parallel engine was closed; start a new one")
         for rank, p in enumerate(self.workers, start=1):
             if self.broken is None and not p.is_alive():
                 self.broken = f"tensor-parallel worker rank {rank} exited (exit code {p.exitcode}); the engine cannot continue"
-        if self.broken: raise RuntimeError(self.broken)
+        if self.broken:
+            raise RuntimeError(self.broken)
 
     def execute(self, sched_out) -> torch.Tensor:
         "Broadcast the step's inputs, then run rank 0's shard; logits (N, vocab) float32 of the sequences that sample."
@@ -218,126 +359,202 @@ class TensorParallelRunner(ModelRunner):
             inputs = (ids.cpu(), pos.cpu(), _meta_to(meta, "cpu"), rows.cpu())
         try:
             out = run_step(self, _broadcast((list(sched_out.block_copies), inputs)))
-        except Exception as e:   # the ranks may now disagree on where they are: no later step can be trusted
-            for p in self.workers: p.join(1.0)          # a worker that was killed has usually exited by now: name it
-            try: self.check_workers()
-            except RuntimeError: raise
+        except (
+            Exception
+        ) as e:  # the ranks may now disagree on where they are: no later step can be trusted
+            for p in self.workers:
+                p.join(1.0)  # a worker that was killed has usually exited by now: name it
+            try:
+                self.check_workers()
+            except RuntimeError:
+                raise
             self.broken = f"a tensor-parallel step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); the engine cannot continue"
             raise RuntimeError(self.broken) from e
-        return torch.empty(0, self.model.config.vocab_size, device=self.device) if out is None else out
+        return (
+            torch.empty(0, self.model.config.vocab_size, device=self.device) if out is None else out
+        )
 
     def close(self, timeout: float = 10.0):
         "Tell the workers to stop, wait for them, and leave the process group."
-        if self.closed and not self.workers: return
+        if self.closed and not self.workers:
+            return
         try:
             if not self.closed and not self.broken and all(p.is_alive() for p in self.workers):
-                _broadcast(None); dist.barrier()   # every rank has left its loop before any tears its group down
-        except Exception: pass   # a broken group: the workers are killed below
+                _broadcast(None)
+                dist.barrier()  # every rank has left its loop before any tears its group down
+        except Exception:
+            pass  # a broken group: the workers are killed below
         self.closed = True
         for p in self.workers:
             p.join(timeout)
-            if p.is_alive(): p.kill(); p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout)
         self.workers = []
-        if dist.is_initialized(): dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 def _resize_cache(runner: ModelRunner, num_blocks: int):
     c = runner.model.config
     shape = (num_blocks, runner.block_size, c.num_kv_heads, c.head_dim)
-    runner.kv_caches = [tuple(torch.zeros(shape, dtype=runner.dtype, device=runner.device) for _ in "kv") for _ in range(c.num_layers)]
+    runner.kv_caches = [
+        tuple(torch.zeros(shape, dtype=runner.dtype, device=runner.device) for _ in "kv")
+        for _ in range(c.num_layers)
+    ]
     runner.num_blocks = num_blocks
+
 
 # %% ../nbs/13_tensor_parallel.ipynb #96702c97
 def _rank_device(config, rank: int) -> str:
     "This rank's device: cuda:LOCAL_RANK on a GPU machine, else what the config says."
     device = resolve_device(config.device)
-    if device == "cuda": device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
     return device
+
 
 def rank_runner(config, rank: int, world_size: int) -> ModelRunner:
     "Load this rank's shard and build its runner (rank 0: a `TensorParallelRunner`); the process group must exist."
     device = _rank_device(config, rank)
-    if device.startswith("cuda"): torch.cuda.set_device(device)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     d = json.loads((Path(config.model) / "config.json").read_text())
     dtype = resolve_dtype(config.dtype, device, d.get("torch_dtype") or d.get("dtype"))
     plan = shard_plan(parse_config(d), rank, world_size)
     cfg = dataclasses.replace(config, device=device)
     model = load_shard(config.model, plan, dtype, device)
-    if rank == 0: return TensorParallelRunner(cfg, model)
+    if rank == 0:
+        return TensorParallelRunner(cfg, model)
     runner = ModelRunner(cfg, model)
-    n = torch.tensor([runner.num_blocks]); dist.all_reduce(n, op=dist.ReduceOp.MIN)
-    if int(n) != runner.num_blocks: _resize_cache(runner, int(n))
+    n = torch.tensor([runner.num_blocks])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    if int(n) != runner.num_blocks:
+        _resize_cache(runner, int(n))
     return runner
+
 
 def worker_loop(runner: ModelRunner) -> None:
     "A worker rank: run every step rank 0 broadcasts, until it sends None."
-    while (step := _broadcast(None)) is not None: run_step(runner, step)
-    dist.barrier()                         # matches rank 0's, so no rank tears the group down mid-exchange
+    while (step := _broadcast(None)) is not None:
+        run_step(runner, step)
+    dist.barrier()  # matches rank 0's, so no rank tears the group down mid-exchange
 
-def init_group(rank: int, world_size: int, init_method: str, device: str, timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
+
+def init_group(
+    rank: int, world_size: int, init_method: str, device: str, timeout: float = COLLECTIVE_TIMEOUT_S
+) -> None:
     "Join the process group: NCCL on CUDA, gloo on CPU; every collective raises after `timeout` seconds instead of hanging."
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
 
 def _worker_main(rank: int, world_size: int, init_method: str, config, threads: int | None) -> None:
     "Entry point of a worker process started by `start_workers`."
-    if threads: torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     init_group(rank, world_size, init_method, resolve_device(config.device))
-    try: worker_loop(rank_runner(config, rank, world_size))
+    try:
+        worker_loop(rank_runner(config, rank, world_size))
     finally:
-        if dist.is_initialized(): dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 # %% ../nbs/13_tensor_parallel.ipynb #2acf168e
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-def _under_torchrun() -> bool: return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
 
 def _check_spawnable():
     "Spawned workers re-import the parent's main script: refuse at once (not after the 2-minute rendezvous timeout) when it is not a file."
-    f = getattr(sys.modules.get("__main__"), "__file__", None)   # None: `python -c`, Jupyter, an embedded interpreter: fine
+    f = getattr(
+        sys.modules.get("__main__"), "__file__", None
+    )  # None: `python -c`, Jupyter, an embedded interpreter: fine
     if f is not None and not Path(f).is_file():
-        raise ValueError(f"tensor_parallel_size: worker processes re-import the main script, and {f!r} is not a file "
-                         "(code read from stdin?); run it from a script file or `python -c`, or launch the ranks with torchrun")
+        raise ValueError(
+            f"tensor_parallel_size: worker processes re-import the main script, and {f!r} is not a file "
+            "(code read from stdin?); run it from a script file or `python -c`, or launch the ranks with torchrun"
+        )
+
 
 def start_workers(config, world_size: int) -> TensorParallelRunner:
     "Spawn ranks 1..world_size-1 on this machine, join them as rank 0, and return rank 0's runner."
     import torch.multiprocessing as mp
+
     _check_spawnable()
-    shard_plan(parse_config(json.loads((Path(config.model) / "config.json").read_text())), 0, world_size)   # refuse before spawning
+    shard_plan(
+        parse_config(json.loads((Path(config.model) / "config.json").read_text())), 0, world_size
+    )  # refuse before spawning
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
-    threads = max(1, torch.get_num_threads() // world_size) if resolve_device(config.device) == "cpu" else None
-    workers = [ctx.Process(target=_worker_main, args=(r, world_size, init, config, threads), daemon=True, name=f"hetero-infer-tp{r}")
-               for r in range(1, world_size)]
-    for p in workers: p.start()
+    threads = (
+        max(1, torch.get_num_threads() // world_size)
+        if resolve_device(config.device) == "cpu"
+        else None
+    )
+    workers = [
+        ctx.Process(
+            target=_worker_main,
+            args=(r, world_size, init, config, threads),
+            daemon=True,
+            name=f"hetero-infer-tp{r}",
+        )
+        for r in range(1, world_size)
+    ]
+    for p in workers:
+        p.start()
     try:
-        if threads: torch.set_num_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         init_group(0, world_size, init, resolve_device(config.device))
         runner = rank_runner(config, 0, world_size)
     except BaseException:
-        for p in workers: p.kill()
-        if dist.is_initialized(): dist.destroy_process_group()
+        for p in workers:
+            p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise
     runner.workers = workers
     atexit.register(runner.close)
     return runner
+
 
 def make_runner(config) -> ModelRunner:
     "The engine's runner: plain for one rank; else rank 0 of a tensor-parallel group (workers started here, or by torchrun)."
     world = config.tensor_parallel_size
     if _under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ValueError(f"tensor_parallel_size ({world}) differs from the WORLD_SIZE={os.environ['WORLD_SIZE']} processes torchrun started")
+            raise ValueError(
+                f"tensor_parallel_size ({world}) differs from the WORLD_SIZE={os.environ['WORLD_SIZE']} processes torchrun started"
+            )
         rank = int(os.environ["RANK"])
         init_group(rank, world, "env://", _rank_device(config, rank))
         runner = rank_runner(config, rank, world)
-        if rank == 0: atexit.register(runner.close); return runner
-        try: worker_loop(runner)
-        finally: dist.destroy_process_group()
-        raise SystemExit(0)    # a worker rank's whole job was the loop above
-    if world == 1: return ModelRunner(config)
+        if rank == 0:
+            atexit.register(runner.close)
+            return runner
+        try:
+            worker_loop(runner)
+        finally:
+            dist.destroy_process_group()
+        raise SystemExit(0)  # a worker rank's whole job was the loop above
+    if world == 1:
+        return ModelRunner(config)
     if dist.is_available() and dist.is_initialized():
-        raise RuntimeError("a tensor-parallel engine is already running in this process; close it first (llm.close())")
+        raise RuntimeError(
+            "a tensor-parallel engine is already running in this process; close it first (llm.close())"
+        )
     return start_workers(config, world)

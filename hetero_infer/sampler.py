@@ -10,19 +10,37 @@ import torch
 from .core import Sequence, SamplingParams, Logprob
 
 # %% auto #0
-__all__ = ['SamplerOutput', 'row_seed', 'seen_tokens', 'apply_penalties', 'PenaltyCounts', 'apply_top_k_top_p', 'sampling_probs',
-           'exponential_race', 'token_logprobs', 'Sampler']
+__all__ = [
+    "SamplerOutput",
+    "row_seed",
+    "seen_tokens",
+    "apply_penalties",
+    "PenaltyCounts",
+    "apply_top_k_top_p",
+    "sampling_probs",
+    "exponential_race",
+    "token_logprobs",
+    "Sampler",
+]
+
 
 # %% ../nbs/06_sampler.ipynb #b9945712
 @dataclass
 class SamplerOutput:
     "One sampled token per row, with its logprob under the raw model distribution."
-    token_ids: list[int]                          # the chosen token of each row
-    logprobs: list[float | None]                  # log_softmax(raw logits)[row, token]; None where not computed (Sampler.all_logprobs=False)
-    top_logprobs: list[dict[int, Logprob] | None] # top-k plus the chosen token, for rows with params.logprobs set
+
+    token_ids: list[int]  # the chosen token of each row
+    logprobs: list[
+        float | None
+    ]  # log_softmax(raw logits)[row, token]; None where not computed (Sampler.all_logprobs=False)
+    top_logprobs: list[
+        dict[int, Logprob] | None
+    ]  # top-k plus the chosen token, for rows with params.logprobs set
+
 
 # %% ../nbs/06_sampler.ipynb #7c1f551b
 _M64 = (1 << 64) - 1
+
 
 def _splitmix64(x: int) -> int:
     "One SplitMix64 step: a 64-bit integer hash with good avalanche."
@@ -31,114 +49,165 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
     return x ^ (x >> 31)
 
+
 def row_seed(seed: int, index: int, step: int) -> int:
     "Generator seed for one row at one step: a hash of the request seed, its completion index and its output length."
-    return _splitmix64(_splitmix64(_splitmix64(seed & _M64) ^ index) ^ step) >> 1  # 63 bits: fits manual_seed everywhere
+    return (
+        _splitmix64(_splitmix64(_splitmix64(seed & _M64) ^ index) ^ step) >> 1
+    )  # 63 bits: fits manual_seed everywhere
+
 
 # %% ../nbs/06_sampler.ipynb #03977812
 def _banned_ids(seq: Sequence, eos_token_ids) -> list[int]:
     "Token ids a row may not emit yet: its stop ids (and eos unless ignore_eos) while it has fewer than min_tokens outputs."
     p = seq.params
-    if seq.num_output_tokens >= p.min_tokens: return []
+    if seq.num_output_tokens >= p.min_tokens:
+        return []
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+
 
 def _row_noise(seq: Sequence, V: int, device, generator: torch.Generator | None) -> torch.Tensor:
     "Exp(1) noise (V,) for one row: from the row's own seeded generator, or from the shared one."
     if seq.params.seed is not None:
-        generator = torch.Generator(device).manual_seed(row_seed(seq.params.seed, seq.index, seq.num_output_tokens))
+        generator = torch.Generator(device).manual_seed(
+            row_seed(seq.params.seed, seq.index, seq.num_output_tokens)
+        )
     return torch.empty(V, device=device).exponential_(generator=generator)
+
 
 # %% ../nbs/06_sampler.ipynb #b1ec1123
 def seen_tokens(prompt_ids: list[list[int]], output_ids: list[list[int]], V: int, device=None):
     "The distinct (row, token) pairs in each row's prompt or output, and each pair's count in the output: three (P,) tensors."
-    def flat(ids):                                                        # row * V + token of every occurrence
-        rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(r) for r in ids], dtype=torch.long))
+
+    def flat(ids):  # row * V + token of every occurrence
+        rows = torch.repeat_interleave(
+            torch.arange(len(ids)), torch.tensor([len(r) for r in ids], dtype=torch.long)
+        )
         return rows * V + torch.tensor([t for r in ids for t in r], dtype=torch.long)
+
     p, o = flat(prompt_ids), flat(output_ids)
-    keys, inv = torch.unique(torch.cat([p, o]), return_inverse=True)     # (P,) sorted distinct pairs
-    out_counts = torch.zeros(len(keys)).index_add_(0, inv[len(p):], torch.ones(len(o)))
+    keys, inv = torch.unique(torch.cat([p, o]), return_inverse=True)  # (P,) sorted distinct pairs
+    out_counts = torch.zeros(len(keys)).index_add_(0, inv[len(p) :], torch.ones(len(o)))
     return (keys // V).to(device), (keys % V).to(device), out_counts.to(device)
 
+
 # %% ../nbs/06_sampler.ipynb #9ba86927
-def apply_penalties(logits: torch.Tensor,      # (N, V) float32
-                    rows: torch.Tensor,        # (P,) row of each seen (row, token) pair
-                    toks: torch.Tensor,        # (P,) token of each pair
-                    out_counts: torch.Tensor,  # (P,) occurrences of the pair in the row's output
-                    presence: torch.Tensor,    # (N,) subtracted once from tokens in the output
-                    frequency: torch.Tensor,   # (N,) subtracted per occurrence in the output
-                    repetition: torch.Tensor,  # (N,) divides positive / multiplies negative logits of seen tokens
-                   ) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,  # (N, V) float32
+    rows: torch.Tensor,  # (P,) row of each seen (row, token) pair
+    toks: torch.Tensor,  # (P,) token of each pair
+    out_counts: torch.Tensor,  # (P,) occurrences of the pair in the row's output
+    presence: torch.Tensor,  # (N,) subtracted once from tokens in the output
+    frequency: torch.Tensor,  # (N,) subtracted per occurrence in the output
+    repetition: torch.Tensor,  # (N,) divides positive / multiplies negative logits of seen tokens
+) -> torch.Tensor:
     "Repetition (HF/CTRL, over prompt + output), then frequency and presence (OpenAI, over output): a new (N, V) tensor."
-    flat = rows * logits.shape[-1] + toks                                 # (P,) flat index of each pair: one gather, one scatter
-    v, r = logits.reshape(-1).index_select(0, flat), repetition.index_select(0, rows)   # (P,)
-    v = torch.where(v > 0, v / r, v * r) - frequency.index_select(0, rows) * out_counts - presence.index_select(0, rows) * (out_counts > 0)
+    flat = rows * logits.shape[-1] + toks  # (P,) flat index of each pair: one gather, one scatter
+    v, r = logits.reshape(-1).index_select(0, flat), repetition.index_select(0, rows)  # (P,)
+    v = (
+        torch.where(v > 0, v / r, v * r)
+        - frequency.index_select(0, rows) * out_counts
+        - presence.index_select(0, rows) * (out_counts > 0)
+    )
     x = logits.clone()
     x.view(-1).index_copy_(0, flat, v)
     return x
 
+
 # %% ../nbs/06_sampler.ipynb #56f5d175
 class PenaltyCounts:
     "Each tracked sequence's distinct (sequence, token) pairs and their output counts, on the device, updated with each step's new tokens."
+
     def __init__(self, vocab_size: int, device="cpu", rows: int = 8, pairs: int = 1024):
         self.V, self.device = vocab_size, torch.device(device)
-        self.pair_of = torch.full((rows, vocab_size), -1, dtype=torch.int32, device=device)   # (R, V) index of each seen pair, -1: unseen
-        self.p_row = torch.empty(pairs, dtype=torch.long, device=device)   # (cap,) row of each pair
-        self.p_tok = torch.empty(pairs, dtype=torch.long, device=device)   # (cap,) token of each pair
-        self.p_cnt = torch.empty(pairs, device=device)                     # (cap,) occurrences in the output
-        self.n = 0                                                          # pairs in use
-        self.owner: list = [None] * rows                                    # weakref to the Sequence owning each row
-        self.synced = [0] * rows                                            # output tokens already counted, per row
-        self.row_of: dict[int, int] = {}                                    # id(seq) -> row
+        self.pair_of = torch.full(
+            (rows, vocab_size), -1, dtype=torch.int32, device=device
+        )  # (R, V) index of each seen pair, -1: unseen
+        self.p_row = torch.empty(pairs, dtype=torch.long, device=device)  # (cap,) row of each pair
+        self.p_tok = torch.empty(
+            pairs, dtype=torch.long, device=device
+        )  # (cap,) token of each pair
+        self.p_cnt = torch.empty(pairs, device=device)  # (cap,) occurrences in the output
+        self.n = 0  # pairs in use
+        self.owner: list = [None] * rows  # weakref to the Sequence owning each row
+        self.synced = [0] * rows  # output tokens already counted, per row
+        self.row_of: dict[int, int] = {}  # id(seq) -> row
         self.free = list(range(rows - 1, -1, -1))
 
     def _alloc(self, seq) -> int:
         "A row for a new sequence: a free one, else one a finished sequence left, else a new one."
-        if not self.free: self._sweep()
+        if not self.free:
+            self._sweep()
         if not self.free:
             R = len(self.owner)
             self.pair_of = torch.cat([self.pair_of, torch.full_like(self.pair_of, -1)])
-            self.owner += [None] * R; self.synced += [0] * R
+            self.owner += [None] * R
+            self.synced += [0] * R
             self.free = list(range(2 * R - 1, R - 1, -1))
         r = self.free.pop()
-        self.owner[r], self.synced[r], self.row_of[id(seq)] = weakref.ref(seq), -1, r   # -1: its prompt is still to count
+        self.owner[r], self.synced[r], self.row_of[id(seq)] = (
+            weakref.ref(seq),
+            -1,
+            r,
+        )  # -1: its prompt is still to count
         return r
 
     def _sweep(self):
         "Free the rows of sequences that finished or no longer exist, and drop their pairs."
-        dead = [r for r, w in enumerate(self.owner) if w is not None and ((s := w()) is None or s.finished)]
-        if not dead: return
+        dead = [
+            r
+            for r, w in enumerate(self.owner)
+            if w is not None and ((s := w()) is None or s.finished)
+        ]
+        if not dead:
+            return
         gone = torch.zeros(len(self.owner), dtype=torch.bool, device=self.device)
         gone[torch.tensor(dead, device=self.device)] = True
-        pr, pt = self.p_row[:self.n], self.p_tok[:self.n]
+        pr, pt = self.p_row[: self.n], self.p_tok[: self.n]
         drop = gone[pr]
         self.pair_of[pr[drop], pt[drop]] = -1
         keep = (~drop).nonzero()[:, 0]
         n = len(keep)
-        self.p_row[:n], self.p_tok[:n], self.p_cnt[:n] = pr[keep], pt[keep], self.p_cnt[:self.n][keep]
-        self.pair_of[self.p_row[:n], self.p_tok[:n]] = torch.arange(n, dtype=torch.int32, device=self.device)
+        self.p_row[:n], self.p_tok[:n], self.p_cnt[:n] = (
+            pr[keep],
+            pt[keep],
+            self.p_cnt[: self.n][keep],
+        )
+        self.pair_of[self.p_row[:n], self.p_tok[:n]] = torch.arange(
+            n, dtype=torch.int32, device=self.device
+        )
         self.n = n
-        for r in dead: self.owner[r] = None; self.free.append(r)
+        for r in dead:
+            self.owner[r] = None
+            self.free.append(r)
         self.row_of = {k: v for k, v in self.row_of.items() if self.owner[v] is not None}
 
     def _add(self, rows: list[int], toks: list[int], weights: list[int]):
         "Count `weights` more occurrences of each (row, token); weight 0 marks a prompt token as seen."
-        if not rows: return
+        if not rows:
+            return
         d = self.device
         keys = torch.tensor(rows, device=d) * self.V + torch.tensor(toks, device=d)
-        keys, inv = keys.unique(return_inverse=True)                                   # (K,) distinct new pairs
-        w = torch.zeros(len(keys), device=d).index_add_(0, inv, torch.tensor(weights, dtype=torch.float32, device=d))
+        keys, inv = keys.unique(return_inverse=True)  # (K,) distinct new pairs
+        w = torch.zeros(len(keys), device=d).index_add_(
+            0, inv, torch.tensor(weights, dtype=torch.float32, device=d)
+        )
         r, t = keys // self.V, keys % self.V
-        idx = self.pair_of[r, t].long()                                                 # (K,) -1 for a pair not seen before
+        idx = self.pair_of[r, t].long()  # (K,) -1 for a pair not seen before
         new = (idx < 0).nonzero()[:, 0]
         if len(new):
             k = len(new)
-            if self.n + k > len(self.p_row):                                            # grow the pair buffers (doubling)
+            if self.n + k > len(self.p_row):  # grow the pair buffers (doubling)
                 cap = max(2 * len(self.p_row), self.n + k)
-                self.p_row, self.p_tok, self.p_cnt = (torch.cat([b[:self.n], b.new_empty(cap - self.n)]) for b in (self.p_row, self.p_tok, self.p_cnt))
+                self.p_row, self.p_tok, self.p_cnt = (
+                    torch.cat([b[: self.n], b.new_empty(cap - self.n)])
+                    for b in (self.p_row, self.p_tok, self.p_cnt)
+                )
             at = torch.arange(self.n, self.n + k, device=d)
-            self.p_row[at], self.p_tok[at], self.p_cnt[at] = r[new], t[new], 0.
+            self.p_row[at], self.p_tok[at], self.p_cnt[at] = r[new], t[new], 0.0
             self.pair_of[r[new], t[new]] = at.int()
-            idx[new] = at; self.n += k
+            idx[new] = at
+            self.n += k
         self.p_cnt.index_add_(0, idx, w)
 
     def update(self, seqs) -> torch.Tensor:
@@ -146,191 +215,277 @@ class PenaltyCounts:
         rows, add_r, add_t, add_w = [], [], [], []
         for s in seqs:
             r = self.row_of.get(id(s))
-            if r is None or self.owner[r]() is not s: r = self._alloc(s)
-            if self.synced[r] < 0:                                                      # a new row: its prompt first
-                p = s.token_ids[:s.num_prompt_tokens]
-                add_r += [r] * len(p); add_t += p; add_w += [0] * len(p); self.synced[r] = 0
+            if r is None or self.owner[r]() is not s:
+                r = self._alloc(s)
+            if self.synced[r] < 0:  # a new row: its prompt first
+                p = s.token_ids[: s.num_prompt_tokens]
+                add_r += [r] * len(p)
+                add_t += p
+                add_w += [0] * len(p)
+                self.synced[r] = 0
             n_out = s.num_output_tokens
-            if n_out < self.synced[r]: raise RuntimeError("output shrank")
-            new = s.token_ids[s.num_prompt_tokens + self.synced[r]:]
-            add_r += [r] * len(new); add_t += new; add_w += [1] * len(new); self.synced[r] = n_out
+            if n_out < self.synced[r]:
+                raise RuntimeError("output shrank")
+            new = s.token_ids[s.num_prompt_tokens + self.synced[r] :]
+            add_r += [r] * len(new)
+            add_t += new
+            add_w += [1] * len(new)
+            self.synced[r] = n_out
             rows.append(r)
         self._add(add_r, add_t, add_w)
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def pairs(self, rows: torch.Tensor):
         "The seen (batch row, token) pairs of the batch whose state rows are `rows` (N,), with output counts: three (P,) tensors."
-        pr = self.p_row[:self.n]
-        if len(set(rows.tolist())) == len(rows):                                       # each row once (the engine's case): a lookup
+        pr = self.p_row[: self.n]
+        if len(set(rows.tolist())) == len(rows):  # each row once (the engine's case): a lookup
             pos = torch.full((len(self.owner),), -1, dtype=torch.long, device=self.device)
             pos[rows] = torch.arange(len(rows), device=self.device)
-            b = pos[pr]                                                                # (n,) batch row of each pair, -1: not in the batch
-            if bool((b >= 0).all()): return b, self.p_tok[:self.n], self.p_cnt[:self.n]
+            b = pos[pr]  # (n,) batch row of each pair, -1: not in the batch
+            if bool((b >= 0).all()):
+                return b, self.p_tok[: self.n], self.p_cnt[: self.n]
             keep = (b >= 0).nonzero()[:, 0]
             return b[keep], self.p_tok[keep], self.p_cnt[keep]
-        order = rows.argsort()                                                         # a row named several times: expand its pairs
+        order = rows.argsort()  # a row named several times: expand its pairs
         srt = rows[order]
-        lo, hi = torch.searchsorted(srt, pr), torch.searchsorted(srt, pr, right=True)  # (n,) batch rows holding each pair's row
+        lo, hi = (
+            torch.searchsorted(srt, pr),
+            torch.searchsorted(srt, pr, right=True),
+        )  # (n,) batch rows holding each pair's row
         k = hi - lo
         pair = torch.repeat_interleave(torch.arange(self.n, device=self.device), k)
         j = torch.arange(len(pair), device=self.device) - (k.cumsum(0) - k)[pair]
         return order[lo[pair] + j], self.p_tok[pair], self.p_cnt[pair]
 
+
 # %% ../nbs/06_sampler.ipynb #0492e855
 def _filter_sorted(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, K: int):
     "top-k/top-p over the K best tokens of each row of x (N, V): the filtered (N, V) logits and which rows that settled exactly."
     V = x.shape[-1]
-    srt, idx = x.topk(K, dim=-1) if K < V else x.sort(dim=-1, descending=True)   # (N, K)
-    drop = torch.arange(K, device=x.device)[None] >= k[:, None]                    # top-k
+    srt, idx = x.topk(K, dim=-1) if K < V else x.sort(dim=-1, descending=True)  # (N, K)
+    drop = torch.arange(K, device=x.device)[None] >= k[:, None]  # top-k
     srt = srt.masked_fill(drop, float("-inf"))
-    lse = srt.logsumexp(-1)                                                        # (N,) normalizer of the top-k renormalized row,
-    if bool((k >= V).any()): lse[k >= V] = x[k >= V].logsumexp(-1)                  # or of the whole row when it has no top-k
-    probs = (srt - lse[:, None]).exp()                                             # (N, K)
-    cum = probs.cumsum(-1)                                                         # (N, K)
-    drop |= ((cum - probs) >= p[:, None]) & (p[:, None] < 1)                       # mass strictly above the token already reached p
+    lse = srt.logsumexp(-1)  # (N,) normalizer of the top-k renormalized row,
+    if bool((k >= V).any()):
+        lse[k >= V] = x[k >= V].logsumexp(-1)  # or of the whole row when it has no top-k
+    probs = (srt - lse[:, None]).exp()  # (N, K)
+    cum = probs.cumsum(-1)  # (N, K)
+    drop |= ((cum - probs) >= p[:, None]) & (
+        p[:, None] < 1
+    )  # mass strictly above the token already reached p
     drop[:, 0] = False
-    settled = (k <= K) | ((cum[:, -1] >= p) & (p < 1))                             # nothing past the K candidates can survive
-    return torch.full_like(x, float("-inf")).scatter_(-1, idx, srt.masked_fill(drop, float("-inf"))), settled
+    settled = (k <= K) | ((cum[:, -1] >= p) & (p < 1))  # nothing past the K candidates can survive
+    return torch.full_like(x, float("-inf")).scatter_(
+        -1, idx, srt.masked_fill(drop, float("-inf"))
+    ), settled
 
-def apply_top_k_top_p(x: torch.Tensor, # (N, V) logits (already divided by temperature)
-                      k: torch.Tensor, # (N,) int64, tokens to keep; V keeps all
-                      p: torch.Tensor, # (N,) float32, nucleus mass; 1 keeps all
-                      num_candidates: int = 256,  # K: tokens looked at before falling back to a full sort
-                     ) -> torch.Tensor:
+
+def apply_top_k_top_p(
+    x: torch.Tensor,  # (N, V) logits (already divided by temperature)
+    k: torch.Tensor,  # (N,) int64, tokens to keep; V keeps all
+    p: torch.Tensor,  # (N,) float32, nucleus mass; 1 keeps all
+    num_candidates: int = 256,  # K: tokens looked at before falling back to a full sort
+) -> torch.Tensor:
     "Set to -inf the logits outside each row's top-k, then outside its top-p nucleus: a new (N, V) tensor."
     V = x.shape[-1]
     K = min(V, max([num_candidates] + [int(v) for v in k[k < V]]))
     out, settled = _filter_sorted(x, k, p, K)
     if K < V and not bool(settled.all()):
         r = (~settled).nonzero()[:, 0]
-        out[r] = _filter_sorted(x[r], k[r], p[r], V)[0]                            # the wide rows: full sort
+        out[r] = _filter_sorted(x[r], k[r], p[r], V)[0]  # the wide rows: full sort
     return out
 
+
 # %% ../nbs/06_sampler.ipynb #7e14a1b5
-def sampling_probs(logits: torch.Tensor,      # (N, V) penalized logits
-                   temperature: torch.Tensor, # (N,) > 0
-                   top_k: torch.Tensor,       # (N,) int64, V keeps all
-                   top_p: torch.Tensor,       # (N,) 1 keeps all
-                   min_p: torch.Tensor,       # (N,) 0 keeps all
-                  ) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor,  # (N, V) penalized logits
+    temperature: torch.Tensor,  # (N,) > 0
+    top_k: torch.Tensor,  # (N,) int64, V keeps all
+    top_p: torch.Tensor,  # (N,) 1 keeps all
+    min_p: torch.Tensor,  # (N,) 0 keeps all
+) -> torch.Tensor:
     "The distribution each row draws from: temperature, then top-k, top-p, min-p; (N, V), rows sum to 1."
     x = logits / temperature[:, None]
-    need = (top_k < x.shape[-1]) | (top_p < 1)                                    # (N,) rows with a top-k or top-p
-    if bool(need.all()): x = apply_top_k_top_p(x, top_k, top_p)
-    elif bool(need.any()): x[need] = apply_top_k_top_p(x[need], top_k[need], top_p[need])
+    need = (top_k < x.shape[-1]) | (top_p < 1)  # (N,) rows with a top-k or top-p
+    if bool(need.all()):
+        x = apply_top_k_top_p(x, top_k, top_p)
+    elif bool(need.any()):
+        x[need] = apply_top_k_top_p(x[need], top_k[need], top_p[need])
     probs = x.softmax(-1)
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
+
 # %% ../nbs/06_sampler.ipynb #9d9b9871
-def exponential_race(probs: torch.Tensor, # (N, V) probabilities (need not be normalized)
-                     noise: torch.Tensor, # (N, V) Exp(1) samples
-                    ) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor,  # (N, V) probabilities (need not be normalized)
+    noise: torch.Tensor,  # (N, V) Exp(1) samples
+) -> torch.Tensor:
     "Sample one token per row: argmax(probs / noise) picks token i with probability probs_i / sum(probs). (N,) int64."
     return (probs / noise.clamp_min(1e-10)).argmax(-1)
 
+
 # %% ../nbs/06_sampler.ipynb #ce7cbc0f
-def token_logprobs(logits: torch.Tensor,   # (N, V) raw model logits
-                   token_ids: torch.Tensor,# (N,) chosen tokens
-                   num_top: list[int|None],# per row: how many top logprobs to return (None: no dict)
-                   only_top: bool = False, # True: chosen-token logprobs only for rows with num_top set (None elsewhere)
-                  ) -> tuple[list[float | None], list[dict[int, Logprob] | None]]:
+def token_logprobs(
+    logits: torch.Tensor,  # (N, V) raw model logits
+    token_ids: torch.Tensor,  # (N,) chosen tokens
+    num_top: list[int | None],  # per row: how many top logprobs to return (None: no dict)
+    only_top: bool = False,  # True: chosen-token logprobs only for rows with num_top set (None elsewhere)
+) -> tuple[list[float | None], list[dict[int, Logprob] | None]]:
     "Chosen-token logprobs and top-k dicts (chosen token first, rank 1 = most likely) under log_softmax(logits)."
     rows = [i for i, k in enumerate(num_top) if k is not None]
     tops: list[dict[int, Logprob] | None] = [None] * len(num_top)
-    if only_top and not rows: return [None] * len(num_top), tops          # no pass over the vocabulary at all
-    lse = logits.logsumexp(-1)                                            # (N,)
-    chosen = logits.gather(-1, token_ids[:, None])[:, 0]                  # (N,)
+    if only_top and not rows:
+        return [None] * len(num_top), tops  # no pass over the vocabulary at all
+    lse = logits.logsumexp(-1)  # (N,)
+    chosen = logits.gather(-1, token_ids[:, None])[:, 0]  # (N,)
     lps = (chosen - lse).tolist()
-    if only_top: lps = [lp if k is not None else None for lp, k in zip(lps, num_top)]
-    if not rows: return lps, tops
+    if only_top:
+        lps = [lp if k is not None else None for lp, k in zip(lps, num_top)]
+    if not rows:
+        return lps, tops
     r = torch.tensor(rows, device=logits.device)
-    sub = logits[r]                                                        # (R, V)
-    ranks = ((sub > chosen[r, None]).sum(-1) + 1).tolist()                 # (R,)
+    sub = logits[r]  # (R, V)
+    ranks = ((sub > chosen[r, None]).sum(-1) + 1).tolist()  # (R,)
     k_max = min(max(num_top[i] for i in rows), logits.shape[-1])
-    vals, idx = sub.topk(k_max, dim=-1)                                    # (R, k_max), sorted
+    vals, idx = sub.topk(k_max, dim=-1)  # (R, k_max), sorted
     vals, idx = (vals - lse[r, None]).tolist(), idx.tolist()
     tok = token_ids.tolist()
     for j, i in enumerate(rows):
         d = {tok[i]: Logprob(lps[i], ranks[j])}
-        for rank, (t, v) in enumerate(zip(idx[j][:num_top[i]], vals[j][:num_top[i]]), 1):  # k > V gives all V
+        for rank, (t, v) in enumerate(
+            zip(idx[j][: num_top[i]], vals[j][: num_top[i]]), 1
+        ):  # k > V gives all V
             d[t] = Logprob(v, rank) if t != tok[i] else d[t]
         tops[i] = d
     return lps, tops
 
+
 # %% ../nbs/06_sampler.ipynb #4b9b8403
 class Sampler:
     "Picks one token per row of logits, each row with its own `SamplingParams`."
-    def __init__(self, eos_token_ids=(), # the engine's end-of-sequence id(s) (banned while len(output) < min_tokens)
-                 seed: int = 0,          # seed of the shared generator that unseeded rows draw from
-                 all_logprobs: bool = True):  # False: the chosen token's logprob only for rows with params.logprobs set (else None)
+
+    def __init__(
+        self,
+        eos_token_ids=(),  # the engine's end-of-sequence id(s) (banned while len(output) < min_tokens)
+        seed: int = 0,  # seed of the shared generator that unseeded rows draw from
+        all_logprobs: bool = True,
+    ):  # False: the chosen token's logprob only for rows with params.logprobs set (else None)
         eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
-        self.eos_token_ids, self.seed, self._generators, self.all_logprobs = eos, seed, {}, all_logprobs
-        self.penalty_counts: PenaltyCounts | None = None   # created when a row first asks for a penalty
+        self.eos_token_ids, self.seed, self._generators, self.all_logprobs = (
+            eos,
+            seed,
+            {},
+            all_logprobs,
+        )
+        self.penalty_counts: PenaltyCounts | None = (
+            None  # created when a row first asks for a penalty
+        )
 
     def generator(self, device) -> torch.Generator:
         "The shared generator for unseeded rows on `device` (created on first use, seeded from `seed`)."
         device = torch.device(device)
-        if device not in self._generators: self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[device]
 
+
 # %% ../nbs/06_sampler.ipynb #98206930
-def _col(vals, device, dtype=torch.float32) -> torch.Tensor: return torch.tensor(vals, dtype=dtype, device=device)
+def _col(vals, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(vals, dtype=dtype, device=device)
+
 
 def _adjust_logits(self: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     "Apply min_tokens bans and penalties; (N, V), the input itself when no row needs either."
     N, V = logits.shape
     ps = [s.params for s in seqs]
     bans = [[t for t in _banned_ids(s, self.eos_token_ids) if t < V] for s in seqs]
-    pen = [i for i, p in enumerate(ps) if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1]
+    pen = [
+        i
+        for i, p in enumerate(ps)
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+    ]
     x = logits
     if pen:
         pc = self.penalty_counts
-        if pc is None or pc.V != V or pc.device != x.device: pc = self.penalty_counts = PenaltyCounts(V, x.device)
-        rows, toks, counts = pc.pairs(pc.update([seqs[i] for i in pen]))  # O(new tokens) to update, O(pairs) to list
-        rows = _col(pen, x.device, torch.long)[rows]                       # back to batch rows
-        x = apply_penalties(x, rows, toks, counts, *(_col([getattr(p, f"{k}_penalty") for p in ps], x.device)
-                                                     for k in ("presence", "frequency", "repetition")))
-    if any(bans):                                                          # after the penalties is the same: they keep -inf at -inf
+        if pc is None or pc.V != V or pc.device != x.device:
+            pc = self.penalty_counts = PenaltyCounts(V, x.device)
+        rows, toks, counts = pc.pairs(
+            pc.update([seqs[i] for i in pen])
+        )  # O(new tokens) to update, O(pairs) to list
+        rows = _col(pen, x.device, torch.long)[rows]  # back to batch rows
+        x = apply_penalties(
+            x,
+            rows,
+            toks,
+            counts,
+            *(
+                _col([getattr(p, f"{k}_penalty") for p in ps], x.device)
+                for k in ("presence", "frequency", "repetition")
+            ),
+        )
+    if any(bans):  # after the penalties is the same: they keep -inf at -inf
         x = x.clone() if x is logits else x
         rows = [i for i, b in enumerate(bans) for _ in b]
-        x[_col(rows, x.device, torch.long), _col([t for b in bans for t in b], x.device, torch.long)] = float("-inf")
+        x[
+            _col(rows, x.device, torch.long),
+            _col([t for b in bans for t in b], x.device, torch.long),
+        ] = float("-inf")
     return x
 
+
 Sampler.adjust_logits = _adjust_logits
+
 
 # %% ../nbs/06_sampler.ipynb #c3ad678c
 def _sample_random(self: Sampler, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     "Draw one token per row of adjusted logits x (R, V) for non-greedy rows: (R,) int64."
     R, V = x.shape
     ps, dev = [s.params for s in seqs], x.device
-    probs = sampling_probs(x, _col([p.temperature for p in ps], dev), _col([min(p.top_k, V) if p.top_k > 0 else V for p in ps], dev, torch.long),
-                           _col([p.top_p for p in ps], dev), _col([p.min_p for p in ps], dev))
+    probs = sampling_probs(
+        x,
+        _col([p.temperature for p in ps], dev),
+        _col([min(p.top_k, V) if p.top_k > 0 else V for p in ps], dev, torch.long),
+        _col([p.top_p for p in ps], dev),
+        _col([p.min_p for p in ps], dev),
+    )
     noise = torch.empty(R, V, device=dev)
     shared = [i for i, p in enumerate(ps) if p.seed is None]
-    if shared: noise[_col(shared, dev, torch.long)] = torch.empty(len(shared), V, device=dev).exponential_(generator=self.generator(dev))
+    if shared:
+        noise[_col(shared, dev, torch.long)] = torch.empty(len(shared), V, device=dev).exponential_(
+            generator=self.generator(dev)
+        )
     for i, s in enumerate(seqs):
-        if s.params.seed is not None: noise[i] = _row_noise(s, V, dev, None)
+        if s.params.seed is not None:
+            noise[i] = _row_noise(s, V, dev, None)
     return exponential_race(probs, noise)
 
+
 Sampler.sample_random = _sample_random
+
 
 # %% ../nbs/06_sampler.ipynb #84855c8a
 def _sample(self: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     "Sample one token for each row of `logits` (N, V) with the params of `seqs[i]`."
     logits = logits.float()
-    x = self.adjust_logits(logits, seqs)                                   # (N, V)
+    x = self.adjust_logits(logits, seqs)  # (N, V)
     rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if not rand: tokens = x.argmax(-1)                                     # (N,) the all-greedy fast path
+    if not rand:
+        tokens = x.argmax(-1)  # (N,) the all-greedy fast path
     else:
         tokens = torch.empty(len(seqs), dtype=torch.long, device=x.device)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        if greedy: g = _col(greedy, x.device, torch.long); tokens[g] = x[g].argmax(-1)
+        if greedy:
+            g = _col(greedy, x.device, torch.long)
+            tokens[g] = x[g].argmax(-1)
         r = _col(rand, x.device, torch.long)
         tokens[r] = self.sample_random(x[r], [seqs[i] for i in rand])
-    lps, tops = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs], only_top=not self.all_logprobs)
+    lps, tops = token_logprobs(
+        logits, tokens, [s.params.logprobs for s in seqs], only_top=not self.all_logprobs
+    )
     return SamplerOutput(tokens.tolist(), lps, tops)
+
 
 Sampler.__call__ = _sample

@@ -4,258 +4,443 @@
 
 # %% ../nbs/09_server.ipynb #305e5b60
 from __future__ import annotations
-import asyncio, hmac, itertools, json, os, re, signal, sys, threading, time, uuid
+import asyncio
+import hmac
+import itertools
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
-from fastapi import Request   # FastAPI reads handler annotations from this module's globals
+from fastapi import Request  # FastAPI reads handler annotations from this module's globals
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from . import core
 from .core import EngineConfig, SamplingParams, RequestOutput, CompletionOutput
 
 # %% auto #0
-__all__ = ['PREFIX', 'ServerOverloaded', 'ServerDraining', 'RequestTimeout', 'ServerLoading', 'EngineDead', 'StepFailed',
-           'AsyncLLMEngine', 'start', 'add_request', 'abort', 'stream', 'generate', 'drain', 'shutdown', 'load',
-           'StreamOptions', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'APIError', 'error_from',
-           'sampling_params', 'check_length', 'completion_logprobs', 'chat_logprobs', 'merge_streams', 'ServerMetrics',
-           'Guard', 'completions', 'completion_events', 'chat', 'chat_events', 'sse', 'build_app', 'serve',
-           'serve_in_thread']
+__all__ = [
+    "PREFIX",
+    "ServerOverloaded",
+    "ServerDraining",
+    "RequestTimeout",
+    "ServerLoading",
+    "EngineDead",
+    "StepFailed",
+    "AsyncLLMEngine",
+    "start",
+    "add_request",
+    "abort",
+    "stream",
+    "generate",
+    "drain",
+    "shutdown",
+    "load",
+    "StreamOptions",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "APIError",
+    "error_from",
+    "sampling_params",
+    "check_length",
+    "completion_logprobs",
+    "chat_logprobs",
+    "merge_streams",
+    "ServerMetrics",
+    "Guard",
+    "completions",
+    "completion_events",
+    "chat",
+    "chat_events",
+    "sse",
+    "build_app",
+    "serve",
+    "serve_in_thread",
+]
+
 
 # %% ../nbs/09_server.ipynb #c0e1163c
 class ServerOverloaded(RuntimeError):
     "More requests are waiting than `max_queued_requests` allows (the server answers 503)."
 
+
 class ServerDraining(RuntimeError):
     "The server is shutting down and takes no new requests (503)."
+
 
 class RequestTimeout(RuntimeError):
     "A request ran past the server's per-request timeout and was aborted (504)."
 
+
 class ServerLoading(RuntimeError):
     "The model is still loading: the server answers `/healthz` but every model route 503 until it is ready."
+
 
 class EngineDead(RuntimeError):
     "The engine cannot run another step (a tensor-parallel worker died): every request gets 503 and the server exits non-zero."
 
+
 class StepFailed(RuntimeError):
     "An engine step raised and the request it touched could not be finished normally (500)."
+
 
 def _queue_full_errors() -> tuple:
     "The exceptions that mean 'too many admitted sequences': ours and core's `QueueFullError` (once core has it)."
     return (ServerOverloaded,) + ((core.QueueFullError,) if hasattr(core, "QueueFullError") else ())
 
+
 # %% ../nbs/09_server.ipynb #08326482
 class AsyncLLMEngine:
     "Steps an `LLMEngine` in one worker thread while requests exist; each request reads its outputs from its own asyncio queue."
-    def __init__(self, engine,                           # an `LLMEngine` (only the worker thread touches it); None until `load` builds one
-                 max_queued_requests: int | None = None,  # refuse new requests while this many sequences wait
-                 timeline_len: int = 10_000):             # steps kept in `timeline` (for plots)
+
+    def __init__(
+        self,
+        engine,  # an `LLMEngine` (only the worker thread touches it); None until `load` builds one
+        max_queued_requests: int
+        | None = None,  # refuse new requests while this many sequences wait
+        timeline_len: int = 10_000,
+    ):  # steps kept in `timeline` (for plots)
         self.engine, self.max_queued_requests = engine, max_queued_requests
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-infer-engine")
         self._queues: dict[str, asyncio.Queue] = {}
         self._task, self._wake, self.draining = None, None, False
-        self.snapshot = dict(engine.stats) if engine is not None else {}   # engine stats after the last step (read by /metrics)
+        self.snapshot = (
+            dict(engine.stats) if engine is not None else {}
+        )  # engine stats after the last step (read by /metrics)
         self.load_error: BaseException | None = None  # why `load` failed, if it did
-        self.timeline: list[tuple[float, int, int, int]] = []  # (time, running, waiting, batched tokens) per step
+        self.timeline: list[
+            tuple[float, int, int, int]
+        ] = []  # (time, running, waiting, batched tokens) per step
         self._timeline_len, self._last_batched = timeline_len, 0
-        self.listeners: list = []                   # callables(RequestOutput) run on the event loop for every output
+        self.listeners: list = []  # callables(RequestOutput) run on the event loop for every output
         self._ids = itertools.count()
-        self.fatal: str | None = None               # why the engine can never step again (its runner broke), else None
-        self.on_fatal = None                        # callable(message) run once on the event loop when `fatal` is set
+        self.fatal: str | None = (
+            None  # why the engine can never step again (its runner broke), else None
+        )
+        self.on_fatal = None  # callable(message) run once on the event loop when `fatal` is set
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
         "Load the model of `config` and wrap its engine."
         from hetero_infer.engine import LLMEngine
+
         return cls(LLMEngine(config), **kwargs)
 
     @property
-    def tokenizer(self): return self._loaded().tokenizer
+    def tokenizer(self):
+        return self._loaded().tokenizer
+
     @property
-    def max_model_len(self) -> int: return self._loaded().config.max_model_len
+    def max_model_len(self) -> int:
+        return self._loaded().config.max_model_len
+
     def _loaded(self):
-        if self.engine is None: raise ServerLoading("the model is still loading; retry when /readyz answers 200")
+        if self.engine is None:
+            raise ServerLoading("the model is still loading; retry when /readyz answers 200")
         return self.engine
+
     @property
-    def is_running(self) -> bool: return self._task is not None and not self._task.done()
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     @property
-    def num_requests(self) -> int: return len(self._queues)
+    def num_requests(self) -> int:
+        return len(self._queues)
 
     async def run(self, fn, *args):
         "Run `fn(*args)` on the engine's worker thread (after any step already queued there)."
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
 
 # %% ../nbs/09_server.ipynb #17582754
 def _step(self: AsyncLLMEngine) -> tuple[list[RequestOutput], bool]:
     "One engine step on the worker thread; returns its outputs and whether work remains."
     outs = self.engine.step()
     self._record()
-    self.fatal = self.fatal or getattr(self.engine.runner, "broken", None)   # a tensor-parallel group that lost a rank
+    self.fatal = self.fatal or getattr(
+        self.engine.runner, "broken", None
+    )  # a tensor-parallel group that lost a rank
     return outs, self.engine.has_unfinished_requests()
+
 
 def _record(self: AsyncLLMEngine) -> None:
     "Snapshot the engine's stats and append a point to the timeline (worker thread)."
     s = self.snapshot = dict(self.engine.stats)
     batched = s.get("batched_tokens", 0)
-    self.timeline.append((time.monotonic(), s.get("running", 0), s.get("waiting", 0), batched - self._last_batched))
+    self.timeline.append(
+        (time.monotonic(), s.get("running", 0), s.get("waiting", 0), batched - self._last_batched)
+    )
     self._last_batched = batched
-    if len(self.timeline) > self._timeline_len: del self.timeline[:len(self.timeline) - self._timeline_len]
+    if len(self.timeline) > self._timeline_len:
+        del self.timeline[: len(self.timeline) - self._timeline_len]
 
-def _add(self: AsyncLLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+
+def _add(
+    self: AsyncLLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+) -> None:
     "Admit one request (worker thread): refuse it when too many sequences already wait."
     waiting = len(self.engine.scheduler.waiting)
     if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-        raise ServerOverloaded(f"{waiting} sequences are waiting, the limit is max_queued_requests={self.max_queued_requests}; retry later")
+        raise ServerOverloaded(
+            f"{waiting} sequences are waiting, the limit is max_queued_requests={self.max_queued_requests}; retry later"
+        )
     self.engine.add_request(request_id, prompt_token_ids, params)
+
 
 def _abort(self: AsyncLLMEngine, request_ids: list[str]) -> None:
     "Abort requests (worker thread); their blocks are freed now, their final outputs come with the next step."
     self.engine.abort_request(request_ids)
     self._record()
 
-AsyncLLMEngine._step, AsyncLLMEngine._record, AsyncLLMEngine._add, AsyncLLMEngine._abort = _step, _record, _add, _abort
+
+AsyncLLMEngine._step, AsyncLLMEngine._record, AsyncLLMEngine._add, AsyncLLMEngine._abort = (
+    _step,
+    _record,
+    _add,
+    _abort,
+)
+
 
 # %% ../nbs/09_server.ipynb #6dbb70d8
 def start(self: AsyncLLMEngine) -> None:
     "Start the background step loop on the running event loop."
-    if self.is_running: return
+    if self.is_running:
+        return
     self._wake, self.draining = asyncio.Event(), False
     self._task = asyncio.get_running_loop().create_task(self._loop())
+
 
 async def _loop(self: AsyncLLMEngine) -> None:
     "Step while there is work; sleep on `_wake` when there is none. A failing step never ends the loop."
     busy = False
     while True:
-        if not busy: await self._wake.wait(); self._wake.clear()
-        try: outs, busy = await self.run(self._step)
+        if not busy:
+            await self._wake.wait()
+            self._wake.clear()
+        try:
+            outs, busy = await self.run(self._step)
         except Exception as e:
             busy = False
-            await self._fail_all(e); continue
-        for o in outs: self._dispatch(o)
-        if self.fatal: await self._die(); return
+            await self._fail_all(e)
+            continue
+        for o in outs:
+            self._dispatch(o)
+        if self.fatal:
+            await self._die()
+            return
+
 
 async def _die(self: AsyncLLMEngine) -> None:
     "The engine broke for good: fail every request we track with `EngineDead` and tell the server (which exits non-zero)."
     err = EngineDead(f"the engine cannot continue: {self.fatal}")
-    for rid in list(self._queues): self._queues.pop(rid).put_nowait(err)
-    if self.on_fatal is not None: self.on_fatal(self.fatal)
+    for rid in list(self._queues):
+        self._queues.pop(rid).put_nowait(err)
+    if self.on_fatal is not None:
+        self.on_fatal(self.fatal)
+
 
 def _dispatch(self: AsyncLLMEngine, out: RequestOutput) -> None:
     "Hand an output to its request's queue (if the client still listens) and to the listeners."
     q = self._queues.get(out.request_id)
-    if q is not None: q.put_nowait(out)
-    for f in self.listeners: f(out)
+    if q is not None:
+        q.put_nowait(out)
+    for f in self.listeners:
+        f(out)
+
 
 async def _fail_all(self: AsyncLLMEngine, exc: Exception) -> None:
     "A step raised past the engine's own retries: abort every request we track and tell each client why."
     ids = list(self._queues)
-    try: await self.run(self._abort, ids)
-    except Exception: pass
+    try:
+        await self.run(self._abort, ids)
+    except Exception:
+        pass
     err = StepFailed(f"engine step failed: {type(exc).__name__}: {exc}")
     for rid in ids:
         q = self._queues.get(rid)
-        if q is not None: q.put_nowait(err)
-    for f in self.listeners: f(err)
+        if q is not None:
+            q.put_nowait(err)
+    for f in self.listeners:
+        f(err)
 
-AsyncLLMEngine.start, AsyncLLMEngine._loop, AsyncLLMEngine._dispatch, AsyncLLMEngine._fail_all = start, _loop, _dispatch, _fail_all
+
+AsyncLLMEngine.start, AsyncLLMEngine._loop, AsyncLLMEngine._dispatch, AsyncLLMEngine._fail_all = (
+    start,
+    _loop,
+    _dispatch,
+    _fail_all,
+)
 AsyncLLMEngine._die = _die
 
+
 # %% ../nbs/09_server.ipynb #0124925b
-async def add_request(self: AsyncLLMEngine, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None) -> str:
+async def add_request(
+    self: AsyncLLMEngine,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str | None = None,
+) -> str:
     "Admit a request; it joins the running batch at the next step. Raises `ValueError`, `ServerOverloaded`, `QueueFullError`."
-    if self.fatal: raise EngineDead(f"the engine cannot continue: {self.fatal}")
-    if self.draining or not self.is_running: raise ServerDraining("the server is shutting down" if self.draining else "the engine loop is not running")
+    if self.fatal:
+        raise EngineDead(f"the engine cannot continue: {self.fatal}")
+    if self.draining or not self.is_running:
+        raise ServerDraining(
+            "the server is shutting down" if self.draining else "the engine loop is not running"
+        )
     rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-    if rid in self._queues: raise ValueError(f"request_id {rid!r} is already in use")
+    if rid in self._queues:
+        raise ValueError(f"request_id {rid!r} is already in use")
     self._queues[rid] = asyncio.Queue()
-    try: await self.run(self._add, rid, list(prompt_token_ids), params)
-    except BaseException: self._queues.pop(rid, None); raise
+    try:
+        await self.run(self._add, rid, list(prompt_token_ids), params)
+    except BaseException:
+        self._queues.pop(rid, None)
+        raise
     self._wake.set()
     return rid
 
+
 def abort(self: AsyncLLMEngine, request_id: str) -> None:
     "Stop listening to a request and abort it in the engine (does not wait; safe in `finally` blocks)."
-    if self._queues.pop(request_id, None) is None: return
+    if self._queues.pop(request_id, None) is None:
+        return
     self._pool.submit(self._abort, [request_id])
-    if self._wake is not None: self._wake.set()
+    if self._wake is not None:
+        self._wake.set()
 
-async def stream(self: AsyncLLMEngine, request_id: str, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+
+async def stream(
+    self: AsyncLLMEngine, request_id: str, timeout: float | None = None
+) -> AsyncIterator[RequestOutput]:
     "The outputs of an admitted request until it finishes; leaving early (disconnect, timeout) aborts it."
     q, finished = self._queues.get(request_id), False
-    if q is None: raise KeyError(f"request {request_id!r} is not running")
+    if q is None:
+        raise KeyError(f"request {request_id!r} is not running")
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
-            try: item = await asyncio.wait_for(q.get(), None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError: raise RequestTimeout(f"request ran past the server's request timeout ({timeout:g} s) and was aborted") from None
-            if isinstance(item, BaseException): finished = True; raise item
-            if item.finished: finished = True; self._queues.pop(request_id, None)
+            try:
+                item = await asyncio.wait_for(
+                    q.get(), None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
+            except asyncio.TimeoutError:
+                raise RequestTimeout(
+                    f"request ran past the server's request timeout ({timeout:g} s) and was aborted"
+                ) from None
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            if item.finished:
+                finished = True
+                self._queues.pop(request_id, None)
             yield item
-            if finished: return
+            if finished:
+                return
     finally:
-        if finished: self._queues.pop(request_id, None)
-        else: self.abort(request_id)
+        if finished:
+            self._queues.pop(request_id, None)
+        else:
+            self.abort(request_id)
 
-async def generate(self: AsyncLLMEngine, prompt_token_ids: list[int], params: SamplingParams,
-                   request_id: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+
+async def generate(
+    self: AsyncLLMEngine,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str | None = None,
+    timeout: float | None = None,
+) -> AsyncIterator[RequestOutput]:
     "Admit a request and stream its outputs (vLLM's `AsyncLLMEngine.generate`)."
     rid = await self.add_request(prompt_token_ids, params, request_id)
-    async for out in self.stream(rid, timeout): yield out
+    async for out in self.stream(rid, timeout):
+        yield out
 
-AsyncLLMEngine.add_request, AsyncLLMEngine.abort, AsyncLLMEngine.stream, AsyncLLMEngine.generate = add_request, abort, stream, generate
+
+AsyncLLMEngine.add_request, AsyncLLMEngine.abort, AsyncLLMEngine.stream, AsyncLLMEngine.generate = (
+    add_request,
+    abort,
+    stream,
+    generate,
+)
+
 
 # %% ../nbs/09_server.ipynb #8b91c9a9
 async def drain(self: AsyncLLMEngine, timeout: float = 30.0) -> int:
     "Refuse new requests, let running ones finish for up to `timeout` s, abort the rest; returns how many were aborted."
     self.draining = True
     end = time.monotonic() + timeout
-    while self._queues and time.monotonic() < end: await asyncio.sleep(0.05)
+    while self._queues and time.monotonic() < end:
+        await asyncio.sleep(0.05)
     left = list(self._queues)
     if left and self.is_running:
-        await self.run(self._abort, left)       # each gets its final output (finish_reason 'abort') from the next step
+        await self.run(
+            self._abort, left
+        )  # each gets its final output (finish_reason 'abort') from the next step
         self._wake.set()
         end = time.monotonic() + 5
-        while self._queues and time.monotonic() < end: await asyncio.sleep(0.02)
+        while self._queues and time.monotonic() < end:
+            await asyncio.sleep(0.02)
     return len(left)
+
 
 async def shutdown(self: AsyncLLMEngine, timeout: float = 0.0) -> None:
     "Drain (see `drain`), then stop the step loop and the worker thread."
-    if self.is_running: await self.drain(timeout)
+    if self.is_running:
+        await self.drain(timeout)
     if self._task is not None:
         self._task.cancel()
-        try: await self._task
-        except (asyncio.CancelledError, Exception): pass
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
     self._task = None
     self._pool.shutdown(wait=True)
-    self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetero-infer-engine")   # restartable (tests, notebooks)
+    self._pool = ThreadPoolExecutor(
+        1, thread_name_prefix="hetero-infer-engine"
+    )  # restartable (tests, notebooks)
+
 
 async def load(self: AsyncLLMEngine, factory) -> None:
     "Build the engine with `factory()` on the worker thread, then start the loop; meanwhile the event loop keeps answering."
-    try: self.engine = await self.run(factory)
-    except Exception as e:                  # the server cannot serve this model: say why and stop it
+    try:
+        self.engine = await self.run(factory)
+    except Exception as e:  # the server cannot serve this model: say why and stop it
         self.load_error, self.fatal = e, f"the model could not be loaded: {type(e).__name__}: {e}"
-        if self.on_fatal is not None: self.on_fatal(self.fatal)
+        if self.on_fatal is not None:
+            self.on_fatal(self.fatal)
         return
     self.snapshot = dict(self.engine.stats)
-    if not self.draining: self.start()
+    if not self.draining:
+        self.start()
+
 
 AsyncLLMEngine.drain, AsyncLLMEngine.shutdown, AsyncLLMEngine.load = drain, shutdown, load
 
+
 # %% ../nbs/09_server.ipynb #a3322b95
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")   # like vLLM: fields we do not know are ignored
+    model_config = ConfigDict(extra="ignore")  # like vLLM: fields we do not know are ignored
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
 
+
 _Int64 = Field(default=None, ge=-(2**63), lt=2**63)
+
 
 class _Sampling(_Request):
     "Sampling fields shared by completions and chat completions (None: the server's default)."
+
     model: Optional[str] = None
     n: Optional[StrictInt] = None
     temperature: Optional[float] = None
@@ -276,126 +461,251 @@ class _Sampling(_Request):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
 
+
 class CompletionRequest(_Sampling):
     "The body of `POST /v1/completions` (OpenAI's fields plus vLLM's sampling extras)."
+
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = None   # None: the server's default (`serve --max-tokens`), else OpenAI's 16
+    max_tokens: Optional[StrictInt] = (
+        None  # None: the server's default (`serve --max-tokens`), else OpenAI's 16
+    )
     logprobs: Optional[StrictInt] = None
     echo: bool = False
+
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant"]
     content: Union[StrictStr, list[dict[str, Any]]]
     name: Optional[str] = None
 
+
 class ChatCompletionRequest(_Sampling):
     "The body of `POST /v1/chat/completions`."
+
     messages: list[ChatMessage]
     max_tokens: Optional[StrictInt] = None
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: bool = False
     top_logprobs: Optional[StrictInt] = None
 
+
 # %% ../nbs/09_server.ipynb #a611f667
 class APIError(Exception):
     "An error the server answers with OpenAI's body `{'error': {message, type, param, code}}`."
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
-    def body(self) -> dict: return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
-_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "max_completion_tokens", "top_logprobs", "echo"}
+
+_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {
+    "prompt",
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "echo",
+}
 # an engine limit the scheduler names when it refuses a request -> the request field that asked for too much
-_LIMIT_PARAMS = {"max_num_seqs": "n", "max_admitted_seqs": "n", "num_blocks": "max_tokens", "max_model_len": "prompt", "max_num_batched_tokens": "prompt"}
+_LIMIT_PARAMS = {
+    "max_num_seqs": "n",
+    "max_admitted_seqs": "n",
+    "num_blocks": "max_tokens",
+    "max_model_len": "prompt",
+    "max_num_batched_tokens": "prompt",
+}
 _REQUEST_ID = re.compile(r"\brequest '[^']*' ")
+
 
 def error_from(exc: BaseException) -> APIError:
     "The `APIError` for an exception raised while serving a request (the field named by a `ValueError` becomes `param`)."
-    if isinstance(exc, APIError): return exc
-    if isinstance(exc, _queue_full_errors()): return APIError(503, str(exc), "server_overloaded", None, "queue_full")
-    if isinstance(exc, ServerDraining): return APIError(503, str(exc), "service_unavailable", None, "shutting_down")
-    if isinstance(exc, EngineDead): return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
-    if isinstance(exc, ServerLoading): return APIError(503, str(exc), "service_unavailable", None, "loading")
-    if isinstance(exc, RequestTimeout): return APIError(504, str(exc), "timeout", None, "request_timeout")
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, _queue_full_errors()):
+        return APIError(503, str(exc), "server_overloaded", None, "queue_full")
+    if isinstance(exc, ServerDraining):
+        return APIError(503, str(exc), "service_unavailable", None, "shutting_down")
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+    if isinstance(exc, ServerLoading):
+        return APIError(503, str(exc), "service_unavailable", None, "loading")
+    if isinstance(exc, RequestTimeout):
+        return APIError(504, str(exc), "timeout", None, "request_timeout")
     if isinstance(exc, ValueError):
-        msg = str(exc); first = msg.split(" ", 1)[0].rstrip(":")
-        if first in _LIMIT_PARAMS and msg.startswith(first + ": "):   # the scheduler's refusal: "<limit>: request '<id>' asks for ..."
+        msg = str(exc)
+        first = msg.split(" ", 1)[0].rstrip(":")
+        if first in _LIMIT_PARAMS and msg.startswith(
+            first + ": "
+        ):  # the scheduler's refusal: "<limit>: request '<id>' asks for ..."
             param = _LIMIT_PARAMS[first]
-            return APIError(400, f"{param}: " + _REQUEST_ID.sub("the request ", msg[len(first) + 2:]), "invalid_request_error", param)
+            return APIError(
+                400,
+                f"{param}: " + _REQUEST_ID.sub("the request ", msg[len(first) + 2 :]),
+                "invalid_request_error",
+                param,
+            )
         return APIError(400, msg, "invalid_request_error", first if first in _FIELDS else None)
     return APIError(500, f"{type(exc).__name__}: {exc}", "internal_error", None, "internal_error")
 
+
 # %% ../nbs/09_server.ipynb #658bdbce
-def sampling_params(req: _Sampling, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
+def sampling_params(
+    req: _Sampling, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+) -> SamplingParams:
     "The `SamplingParams` of a request: its fields, else the server's defaults, else `SamplingParams`' own (which validates them)."
-    names = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-             "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output")
+    names = (
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+    )
     kw = {**(defaults or {}), **{k: getattr(req, k) for k in names if getattr(req, k) is not None}}
-    if max_tokens is not None: kw["max_tokens"] = max_tokens
-    elif "max_tokens" not in kw: kw["max_tokens"] = None
+    if max_tokens is not None:
+        kw["max_tokens"] = max_tokens
+    elif "max_tokens" not in kw:
+        kw["max_tokens"] = None
     return SamplingParams(**kw, logprobs=logprobs)
 
-def check_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, what: str = "prompt") -> None:
+
+def check_length(
+    num_prompt_tokens: int, params: SamplingParams, max_model_len: int, what: str = "prompt"
+) -> None:
     "Refuse a request whose prompt plus `max_tokens` cannot fit `max_model_len`, stating both numbers (as vLLM does)."
     want = num_prompt_tokens + (params.max_tokens or 1)
     if want > max_model_len:
-        msg = (f"This model's maximum context length is {max_model_len} tokens. However, you requested {want} tokens "
-               f"({num_prompt_tokens} in the {what}, {params.max_tokens or 1} in the completion). Please reduce the length of the {what} or completion.")
-        raise APIError(400, msg, "invalid_request_error", "max_tokens" if params.max_tokens else what, "context_length_exceeded")
+        msg = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {want} tokens "
+            f"({num_prompt_tokens} in the {what}, {params.max_tokens or 1} in the completion). Please reduce the length of the {what} or completion."
+        )
+        raise APIError(
+            400,
+            msg,
+            "invalid_request_error",
+            "max_tokens" if params.max_tokens else what,
+            "context_length_exceeded",
+        )
+
 
 # %% ../nbs/09_server.ipynb #1b38e580
 def _tok_str(lp, tid: int, tokenizer) -> str:
     "The text of one token (from its `Logprob` when the engine decoded it)."
-    if lp is not None and lp.decoded_token is not None: return lp.decoded_token
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
     return tokenizer.decode([tid]) if tokenizer is not None else f"token_id:{tid}"
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int, tokenizer, offset: int = 0) -> dict:
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict], k: int, tokenizer, offset: int = 0
+) -> dict:
     "OpenAI's completions logprobs: `tokens`, `token_logprobs`, `top_logprobs` (the top `k` plus the chosen), `text_offset`."
     tokens, lps, tops, offs = [], [], [], []
     for tid, d in zip(token_ids, logprobs):
         s = _tok_str(d.get(tid), tid, tokenizer)
-        tokens.append(s); lps.append(d[tid].logprob if tid in d else None); offs.append(offset); offset += len(s)
-        tops.append({_tok_str(lp, t, tokenizer): lp.logprob for t, lp in d.items() if t == tid or (lp.rank or 0) <= k})
+        tokens.append(s)
+        lps.append(d[tid].logprob if tid in d else None)
+        offs.append(offset)
+        offset += len(s)
+        tops.append(
+            {
+                _tok_str(lp, t, tokenizer): lp.logprob
+                for t, lp in d.items()
+                if t == tid or (lp.rank or 0) <= k
+            }
+        )
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, tokenizer) -> dict:
     "OpenAI's chat logprobs: `content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`."
-    def entry(t, lp): s = _tok_str(lp, t, tokenizer); return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
+
+    def entry(t, lp):
+        s = _tok_str(lp, t, tokenizer)
+        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
+
     content = []
     for tid, d in zip(token_ids, logprobs):
-        top = sorted(((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
+        top = sorted(
+            ((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= k),
+            key=lambda x: x[1].rank,
+        )
         content.append({**entry(tid, d[tid]), "top_logprobs": [entry(t, lp) for t, lp in top]})
     return {"content": content}
+
 
 # %% ../nbs/09_server.ipynb #eaf01d09
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
     "Interleave several async iterators as `(index, item)` in arrival order; leaving early closes (aborts) them all."
     q, done = asyncio.Queue(), object()
+
     async def pump(i, s):
         try:
-            async for item in s: q.put_nowait((i, item))
-        except Exception as e: q.put_nowait((i, e))
-        finally: q.put_nowait((i, done))
+            async for item in s:
+                q.put_nowait((i, item))
+        except Exception as e:
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, done))
+
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         left = len(tasks)
         while left:
             i, item = await q.get()
-            if item is done: left -= 1
-            elif isinstance(item, Exception): raise item
-            else: yield i, item
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
     finally:
-        for t in tasks: t.cancel()
+        for t in tasks:
+            t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+
 # %% ../nbs/09_server.ipynb #5818535e
-PREFIX = "hetero_infer:"   # vLLM's metric names (`vllm:...`) under our own prefix
+PREFIX = "hetero_infer:"  # vLLM's metric names (`vllm:...`) under our own prefix
+
 
 class ServerMetrics:
     "Prometheus metrics of one server: engine gauges/counters read from the last step's stats, request histograms observed per output."
+
     def __init__(self, aeng: AsyncLLMEngine):
         from prometheus_client import CollectorRegistry, Counter, Histogram
+
         self.aeng, self.registry, self._last = aeng, CollectorRegistry(), {}
         self.registry.register(self)
         buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
@@ -404,134 +714,266 @@ class ServerMetrics:
         self.itl = H("inter_token_latency_seconds", "Time between successive tokens of a request")
         self.e2e = H("e2e_request_latency_seconds", "Arrival to finish of a request")
         self.queue = H("request_queue_time_seconds", "Arrival to first scheduled step")
-        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason", ["finished_reason"], registry=self.registry)
-        self.rejected = Counter(PREFIX + "request_rejected", "Requests refused before admission, by HTTP status", ["status"], registry=self.registry)
-        self.step_errors = Counter(PREFIX + "engine_step_errors", "Engine steps that raised past the engine's retries", registry=self.registry)
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            PREFIX + "request_rejected",
+            "Requests refused before admission, by HTTP status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.step_errors = Counter(
+            PREFIX + "engine_step_errors",
+            "Engine steps that raised past the engine's retries",
+            registry=self.registry,
+        )
         aeng.listeners.append(self.observe)
 
     def observe(self, out) -> None:
         "Count one engine output (or a failed step) into the histograms and counters."
-        if isinstance(out, BaseException): self.step_errors.inc(); return
+        if isinstance(out, BaseException):
+            self.step_errors.inc()
+            return
         now, n = time.monotonic(), sum(len(c.token_ids) for c in out.outputs)
         last_t, last_n = self._last.get(out.request_id, (None, 0))
-        if n > last_n and last_t is not None: self.itl.observe((now - last_t) / (n - last_n))
+        if n > last_n and last_t is not None:
+            self.itl.observe((now - last_t) / (n - last_n))
         self._last[out.request_id] = (now, n) if n > last_n else (last_t, last_n)
-        if not out.finished: return
+        if not out.finished:
+            return
         self._last.pop(out.request_id, None)
         m = out.metrics
-        if m is not None and m.first_token_time is not None: self.ttft.observe(m.first_token_time - m.arrival_time)
-        if m is not None and m.first_scheduled_time is not None: self.queue.observe(m.first_scheduled_time - m.arrival_time)
-        if m is not None: self.e2e.observe((m.finished_time or now) - m.arrival_time)
-        for c in out.outputs: self.success.labels(c.finish_reason or "abort").inc()
+        if m is not None and m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m is not None and m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m is not None:
+            self.e2e.observe((m.finished_time or now) - m.arrival_time)
+        for c in out.outputs:
+            self.success.labels(c.finish_reason or "abort").inc()
 
     def collect(self):
         "Engine gauges and counters from the last snapshot (prometheus_client custom collector)."
         from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+
         s, pc = self.aeng.snapshot, self.aeng.snapshot.get("prefix_cache", {})
         G = lambda name, doc, v: GaugeMetricFamily(PREFIX + name, doc, value=float(v))
         C = lambda name, doc, v: CounterMetricFamily(PREFIX + name, doc, value=float(v))
         yield G("num_requests_running", "Sequences in the running batch", s.get("running", 0))
         yield G("num_requests_waiting", "Sequences waiting for admission", s.get("waiting", 0))
-        yield G("kv_cache_usage_perc", "Share of KV-cache blocks held by sequences (1 = full)", s.get("kv_usage", 0.0))
+        yield G(
+            "kv_cache_usage_perc",
+            "Share of KV-cache blocks held by sequences (1 = full)",
+            s.get("kv_usage", 0.0),
+        )
         yield G("num_kv_cache_blocks", "KV-cache blocks in the pool", s.get("num_blocks", 0))
-        yield G("prefix_cache_hit_rate", "Prefix-cache hits / queries (full blocks)", pc.get("hit_rate", 0.0))
-        yield C("prefix_cache_queries", "Full blocks looked up in the prefix cache", pc.get("cache_queries", 0))
-        yield C("prefix_cache_hits", "Full blocks found in the prefix cache", pc.get("cache_hits", 0))
+        yield G(
+            "prefix_cache_hit_rate",
+            "Prefix-cache hits / queries (full blocks)",
+            pc.get("hit_rate", 0.0),
+        )
+        yield C(
+            "prefix_cache_queries",
+            "Full blocks looked up in the prefix cache",
+            pc.get("cache_queries", 0),
+        )
+        yield C(
+            "prefix_cache_hits", "Full blocks found in the prefix cache", pc.get("cache_hits", 0)
+        )
         yield C("prompt_tokens", "Prompt tokens admitted", s.get("prompt_tokens", 0))
         yield C("generation_tokens", "Tokens generated", s.get("generation_tokens", 0))
-        yield C("num_preemptions", "Sequences preempted (recomputed later)", s.get("preemptions", 0))
-        yield C("num_aborted_requests", "Requests aborted (client gone, timeout, shutdown)", s.get("aborted", 0))
-        yield C("num_failed_requests", "Requests that ended with an error (finish_reason 'error')", s.get("failed", 0))
-        yield C("num_failed_steps", "Engine steps that raised (their requests were retried or failed)", s.get("failed_steps", 0))
+        yield C(
+            "num_preemptions", "Sequences preempted (recomputed later)", s.get("preemptions", 0)
+        )
+        yield C(
+            "num_aborted_requests",
+            "Requests aborted (client gone, timeout, shutdown)",
+            s.get("aborted", 0),
+        )
+        yield C(
+            "num_failed_requests",
+            "Requests that ended with an error (finish_reason 'error')",
+            s.get("failed", 0),
+        )
+        yield C(
+            "num_failed_steps",
+            "Engine steps that raised (their requests were retried or failed)",
+            s.get("failed_steps", 0),
+        )
         yield C("engine_steps", "Engine steps run", s.get("steps", 0))
-        if "speculative" in s:                                  # 12_speculative_decoding
+        if "speculative" in s:  # 12_speculative_decoding
             sp = s["speculative"]
-            yield C("spec_decode_num_drafts", "Proposals verified (one per speculating sequence per step)", sp["num_drafts"])
-            yield C("spec_decode_num_draft_tokens", "Tokens proposed and verified", sp["num_draft_tokens"])
-            yield C("spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", sp["num_accepted_tokens"])
-            yield G("spec_decode_acceptance_rate", "Accepted / proposed tokens since start", sp["acceptance_rate"])
-            yield G("spec_decode_mean_accepted_length", "Tokens emitted per verification (accepted + 1) since start", sp["mean_accepted_length"])
+            yield C(
+                "spec_decode_num_drafts",
+                "Proposals verified (one per speculating sequence per step)",
+                sp["num_drafts"],
+            )
+            yield C(
+                "spec_decode_num_draft_tokens",
+                "Tokens proposed and verified",
+                sp["num_draft_tokens"],
+            )
+            yield C(
+                "spec_decode_num_accepted_tokens",
+                "Proposed tokens the target accepted",
+                sp["num_accepted_tokens"],
+            )
+            yield G(
+                "spec_decode_acceptance_rate",
+                "Accepted / proposed tokens since start",
+                sp["acceptance_rate"],
+            )
+            yield G(
+                "spec_decode_mean_accepted_length",
+                "Tokens emitted per verification (accepted + 1) since start",
+                sp["mean_accepted_length"],
+            )
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
+
         return generate_latest(self.registry)
+
 
 # %% ../nbs/09_server.ipynb #3929ef38
 def _error_response(err: APIError):
     from fastapi.responses import JSONResponse
+
     headers = {"Retry-After": "1"} if err.status == 503 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
+
 class Guard:
     "ASGI middleware: the API key (constant-time compare) on `/v1/*` and a cap on request bodies (413)."
-    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20, on_reject=None):
-        self.app, self.key, self.cap, self.on_reject = app, None if api_key is None else api_key.encode(), max_body_bytes, on_reject
+
+    def __init__(
+        self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20, on_reject=None
+    ):
+        self.app, self.key, self.cap, self.on_reject = (
+            app,
+            None if api_key is None else api_key.encode(),
+            max_body_bytes,
+            on_reject,
+        )
 
     async def _refuse(self, send, err: APIError):
-        if self.on_reject: self.on_reject(err.status)
+        if self.on_reject:
+            self.on_reject(err.status)
         body = json.dumps(err.body()).encode()
         extra = [(b"www-authenticate", b"Bearer")] if err.status == 401 else []
-        await send({"type": "http.response.start", "status": err.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + extra})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": err.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ]
+                + extra,
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http": return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.key is not None and scope["path"].startswith("/v1"):
             auth = headers.get(b"authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
-                return await self._refuse(send, APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_request_error", None, "invalid_api_key"))
-        too_big = APIError(413, f"request body is larger than the server's limit of {self.cap} bytes", "invalid_request_error", None, "request_too_large")
-        try: declared = int(headers.get(b"content-length", b"0"))
-        except ValueError: declared = 0
-        if declared > self.cap: return await self._refuse(send, too_big)
+                return await self._refuse(
+                    send,
+                    APIError(
+                        401,
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        "invalid_request_error",
+                        None,
+                        "invalid_api_key",
+                    ),
+                )
+        too_big = APIError(
+            413,
+            f"request body is larger than the server's limit of {self.cap} bytes",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.cap:
+            return await self._refuse(send, too_big)
         chunks, size, more = [], 0, True
-        while more:                                  # read the body now (it is small) so an oversized one never reaches the app
+        while more:  # read the body now (it is small) so an oversized one never reaches the app
             msg = await receive()
-            if msg["type"] != "http.request": return
-            chunks.append(msg.get("body", b"")); size += len(chunks[-1]); more = msg.get("more_body", False)
-            if size > self.cap: return await self._refuse(send, too_big)
+            if msg["type"] != "http.request":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            more = msg.get("more_body", False)
+            if size > self.cap:
+                return await self._refuse(send, too_big)
         replayed = False
+
         async def replay():
             nonlocal replayed
-            if replayed: return await receive()       # later reads wait for the client's disconnect
+            if replayed:
+                return await receive()  # later reads wait for the client's disconnect
             replayed = True
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
         await self.app(scope, replay, send)
+
 
 # %% ../nbs/09_server.ipynb #5b5f25e7
 def _prompt_list(prompt) -> list:
     "A completions `prompt` as a list of prompts (each a string or token ids); empty ones are refused."
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)): prompt = [prompt]
-    if not prompt or any(len(p) == 0 for p in prompt): raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise APIError(400, "prompt must not be empty", param="prompt")
     return list(prompt)
+
 
 def _encode(tokenizer, prompt) -> list[int]:
     "Token ids of one prompt (engine worker thread: the tokenizer is not shared across threads)."
-    if not isinstance(prompt, str): return list(prompt)
-    if tokenizer is None: raise ValueError("prompt: this model has no tokenizer; send token ids")
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if tokenizer is None:
+        raise ValueError("prompt: this model has no tokenizer; send token ids")
     return tokenizer.encode(prompt)
+
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     "Token ids of a conversation through the model's chat template, ending with the assistant's turn."
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None): raise ValueError("messages: this model has no chat template; use /v1/completions")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template; use /v1/completions")
     convo = []
     for m in messages:
         c = m["content"]
         if not isinstance(c, str):
-            if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in c): raise ValueError("messages: only text content parts are supported")
+            if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in c):
+                raise ValueError("messages: only text content parts are supported")
             c = "".join(p["text"] for p in c)
         convo.append({"role": m["role"], "content": c})
     text = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)   # the template already holds any BOS
+    return tokenizer.encode(text, add_special_tokens=False)  # the template already holds any BOS
+
 
 def _usage(prompt_ids: list[list[int]], finals: list[RequestOutput]) -> dict:
     p, c = sum(map(len, prompt_ids)), sum(len(o.token_ids) for f in finals for o in f.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-def _sse(obj) -> str: return f"data: {json.dumps(obj)}\n\n"
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
 
 async def _unless_disconnected(raw, coro):
     "Await `coro` but give up (cancelling it, which aborts its requests) when the client disconnects."
@@ -539,82 +981,157 @@ async def _unless_disconnected(raw, coro):
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done: return task.result()
-            if await raw.is_disconnected(): return None
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                return None
     finally:
-        if not task.done(): task.cancel(); await asyncio.gather(task, return_exceptions=True)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
 
 def _raise_failed(out: RequestOutput) -> None:
     "A request the engine finished with an error (its step failed past `max_retry_attempts`) answers 500."
     if any(c.finish_reason == "error" for c in out.outputs):
-        raise APIError(500, f"generation failed: {getattr(out, 'error', None) or 'engine step error'}", "internal_error", None, "engine_error")
+        raise APIError(
+            500,
+            f"generation failed: {getattr(out, 'error', None) or 'engine step error'}",
+            "internal_error",
+            None,
+            "engine_error",
+        )
+
 
 # %% ../nbs/09_server.ipynb #e75f876f
 class _Handlers:
     "The request handlers of one app: they share the async engine, the served name and the defaults."
-    def __init__(self, aeng: AsyncLLMEngine, name: str, request_timeout: float | None, defaults: dict | None):
-        self.aeng, self.name, self.timeout, self.defaults = aeng, name, request_timeout, dict(defaults or {})
+
+    def __init__(
+        self, aeng: AsyncLLMEngine, name: str, request_timeout: float | None, defaults: dict | None
+    ):
+        self.aeng, self.name, self.timeout, self.defaults = (
+            aeng,
+            name,
+            request_timeout,
+            dict(defaults or {}),
+        )
 
     def check_model(self, model: str | None) -> None:
-        if self.aeng.engine is None: raise error_from(ServerLoading("the model is still loading; retry when /readyz answers 200"))
+        if self.aeng.engine is None:
+            raise error_from(
+                ServerLoading("the model is still loading; retry when /readyz answers 200")
+            )
         if model is not None and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`", "invalid_request_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.name}`",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
     def params(self, req, max_tokens, logprobs, fallback_max_tokens) -> SamplingParams:
-        d = dict(self.defaults); d.setdefault("max_tokens", fallback_max_tokens)
-        try: return sampling_params(req, max_tokens, logprobs, d)
-        except ValueError as e: raise error_from(e) from None
+        d = dict(self.defaults)
+        d.setdefault("max_tokens", fallback_max_tokens)
+        try:
+            return sampling_params(req, max_tokens, logprobs, d)
+        except ValueError as e:
+            raise error_from(e) from None
 
     async def admit(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[str]:
         "Admit every prompt of a request, or none of them."
         rids = []
         try:
-            for ids in prompt_ids: rids.append(await self.aeng.add_request(ids, params))
+            for ids in prompt_ids:
+                rids.append(await self.aeng.add_request(ids, params))
         except BaseException as e:
-            for r in rids: self.aeng.abort(r)
+            for r in rids:
+                self.aeng.abort(r)
             raise error_from(e) if isinstance(e, Exception) else e
         return rids
 
-    def streams(self, rids): return merge_streams([self.aeng.stream(r, self.timeout) for r in rids])
+    def streams(self, rids):
+        return merge_streams([self.aeng.stream(r, self.timeout) for r in rids])
 
     async def collect(self, rids, raw) -> list[RequestOutput] | None:
         "Final outputs of `rids` in order (None when the client went away and they were aborted)."
         finals = {}
+
         async def run():
             async for i, out in self.streams(rids):
-                if out.finished: finals[i] = out
+                if out.finished:
+                    finals[i] = out
             return [finals[i] for i in range(len(rids))]
-        try: return await _unless_disconnected(raw, run())
-        except Exception as e: raise error_from(e) from None
+
+        try:
+            return await _unless_disconnected(raw, run())
+        except Exception as e:
+            raise error_from(e) from None
+
 
 # %% ../nbs/09_server.ipynb #f9833d55
 def _head(kind: str, rid: str, created: int, model: str) -> dict:
     return {"id": rid, "object": kind, "created": created, "model": model}
 
+
 async def completions(self: _Handlers, req: CompletionRequest, raw):
     "`POST /v1/completions`: one or a batch of prompts (text or token ids), optionally streamed."
     self.check_model(req.model)
     prompts = _prompt_list(req.prompt)
-    if req.echo and req.logprobs is not None: raise APIError(400, "echo with logprobs is not supported: the engine computes no prompt logprobs", param="echo")
+    if req.echo and req.logprobs is not None:
+        raise APIError(
+            400,
+            "echo with logprobs is not supported: the engine computes no prompt logprobs",
+            param="echo",
+        )
     params = self.params(req, req.max_tokens, req.logprobs, 16)
     tok = self.aeng.tokenizer
-    try: ids = [await self.aeng.run(_encode, tok, p) for p in prompts]
-    except ValueError as e: raise error_from(e) from None
-    for x in ids: check_length(len(x), params, self.aeng.max_model_len, "prompt")
-    echo = [(p if isinstance(p, str) else (await self.aeng.run(tok.decode, p) if tok is not None else "")) if req.echo else "" for p in prompts]
+    try:
+        ids = [await self.aeng.run(_encode, tok, p) for p in prompts]
+    except ValueError as e:
+        raise error_from(e) from None
+    for x in ids:
+        check_length(len(x), params, self.aeng.max_model_len, "prompt")
+    echo = [
+        (
+            p
+            if isinstance(p, str)
+            else (await self.aeng.run(tok.decode, p) if tok is not None else "")
+        )
+        if req.echo
+        else ""
+        for p in prompts
+    ]
     rids = await self.admit(ids, params)
     head = _head("text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.name)
-    if req.stream: return self.sse(self.completion_events(req, params, rids, ids, echo, head))
+    if req.stream:
+        return self.sse(self.completion_events(req, params, rids, ids, echo, head))
     finals = await self.collect(rids, raw)
-    if finals is None: return None
+    if finals is None:
+        return None
     choices = []
     for i, out in enumerate(finals):
         _raise_failed(out)
         for c in out.outputs:
-            lp = None if req.logprobs is None else completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, tok, len(echo[i]))
-            choices.append({"index": i * params.n + c.index, "text": echo[i] + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            lp = (
+                None
+                if req.logprobs is None
+                else completion_logprobs(
+                    c.token_ids, c.logprobs or [], req.logprobs, tok, len(echo[i])
+                )
+            )
+            choices.append(
+                {
+                    "index": i * params.n + c.index,
+                    "text": echo[i] + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
     return {**head, "choices": choices, "usage": _usage(ids, finals)}
+
 
 async def completion_events(self: _Handlers, req, params, rids, ids, echo, head):
     "SSE events of a streamed completion: text deltas per choice, its finish reason, usage if asked, `[DONE]`."
@@ -622,49 +1139,98 @@ async def completion_events(self: _Handlers, req, params, rids, ids, echo, head)
     sent, done, finals = {}, set(), {}
     try:
         async for i, out in self.streams(rids):
-            if out.finished: finals[i] = out
+            if out.finished:
+                finals[i] = out
             _raise_failed(out)
             for c in out.outputs:
                 idx = i * params.n + c.index
-                if idx in done: continue
+                if idx in done:
+                    continue
                 chars, toks = sent.get(idx, (0, 0))
                 text = (echo[i] if idx not in sent else "") + c.text[chars:]
                 new = c.token_ids[toks:]
-                if not text and not new and c.finish_reason is None: continue
-                lp = None if req.logprobs is None else completion_logprobs(new, (c.logprobs or [])[toks:], req.logprobs, self.aeng.tokenizer, len(echo[i]) + chars)
+                if not text and not new and c.finish_reason is None:
+                    continue
+                lp = (
+                    None
+                    if req.logprobs is None
+                    else completion_logprobs(
+                        new,
+                        (c.logprobs or [])[toks:],
+                        req.logprobs,
+                        self.aeng.tokenizer,
+                        len(echo[i]) + chars,
+                    )
+                )
                 sent[idx] = (len(c.text), len(c.token_ids))
-                if c.finish_reason is not None: done.add(idx)
-                choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if c.finish_reason is not None:
+                    done.add(idx)
+                choice = {
+                    "index": idx,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
                 yield _sse({**head, "choices": [choice], **({"usage": None} if usage else {})})
-        if usage: yield _sse({**head, "choices": [], "usage": _usage(ids, [finals[i] for i in sorted(finals)])})
-    except Exception as e: yield _sse(error_from(e).body())
+        if usage:
+            yield _sse(
+                {**head, "choices": [], "usage": _usage(ids, [finals[i] for i in sorted(finals)])}
+            )
+    except Exception as e:
+        yield _sse(error_from(e).body())
     yield "data: [DONE]\n\n"
 
+
 _Handlers.completions, _Handlers.completion_events = completions, completion_events
+
 
 # %% ../nbs/09_server.ipynb #94073f91
 async def chat(self: _Handlers, req: ChatCompletionRequest, raw):
     "`POST /v1/chat/completions`: the messages through the chat template, optionally streamed."
     self.check_model(req.model)
-    if not req.messages: raise APIError(400, "messages must not be empty", param="messages")
-    if req.top_logprobs is not None and not req.logprobs: raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if not req.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = self.params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, k, None)
-    try: ids = await self.aeng.run(_chat_ids, self.aeng.tokenizer, [m.model_dump() for m in req.messages])
-    except ValueError as e: raise error_from(e) from None
+    params = self.params(
+        req,
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        k,
+        None,
+    )
+    try:
+        ids = await self.aeng.run(
+            _chat_ids, self.aeng.tokenizer, [m.model_dump() for m in req.messages]
+        )
+    except ValueError as e:
+        raise error_from(e) from None
     check_length(len(ids), params, self.aeng.max_model_len, "messages")
     rids = await self.admit([ids], params)
     head = _head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.name)
-    if req.stream: return self.sse(self.chat_events(req, params, rids, ids, {**head, "object": "chat.completion.chunk"}))
+    if req.stream:
+        return self.sse(
+            self.chat_events(req, params, rids, ids, {**head, "object": "chat.completion.chunk"})
+        )
     finals = await self.collect(rids, raw)
-    if finals is None: return None
+    if finals is None:
+        return None
     _raise_failed(finals[0])
     tok, choices = self.aeng.tokenizer, []
     for c in finals[0].outputs:
         lp = chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {**head, "choices": choices, "usage": _usage([ids], finals)}
+
 
 async def chat_events(self: _Handlers, req, params, rids, ids, head):
     "SSE events of a streamed chat completion: the role first, then content deltas, then the finish reason."
@@ -672,89 +1238,171 @@ async def chat_events(self: _Handlers, req, params, rids, ids, head):
     extra = {"usage": None} if usage else {}
     k = (req.top_logprobs or 0) if req.logprobs else None
     for j in range(params.n):
-        yield _sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
+        yield _sse(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": j,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                **extra,
+            }
+        )
     sent, done, final = {}, set(), None
     try:
         async for _, out in self.streams(rids):
-            if out.finished: final = out
+            if out.finished:
+                final = out
             _raise_failed(out)
             for c in out.outputs:
-                if c.index in done: continue
+                if c.index in done:
+                    continue
                 chars, toks = sent.get(c.index, (0, 0))
                 text, new = c.text[chars:], c.token_ids[toks:]
-                if not text and not new and c.finish_reason is None: continue
-                lp = chat_logprobs(new, (c.logprobs or [])[toks:], k, self.aeng.tokenizer) if k is not None else None
+                if not text and not new and c.finish_reason is None:
+                    continue
+                lp = (
+                    chat_logprobs(new, (c.logprobs or [])[toks:], k, self.aeng.tokenizer)
+                    if k is not None
+                    else None
+                )
                 sent[c.index] = (len(c.text), len(c.token_ids))
-                if c.finish_reason is not None: done.add(c.index)
+                if c.finish_reason is not None:
+                    done.add(c.index)
                 delta = {"content": text} if text else {}
-                yield _sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
-                                                 "stop_reason": c.stop_reason}], **extra})
-        if usage: yield _sse({**head, "choices": [], "usage": _usage([ids], [final])})
-    except Exception as e: yield _sse(error_from(e).body())
+                yield _sse(
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": c.index,
+                                "delta": delta,
+                                "logprobs": lp,
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
+                        ],
+                        **extra,
+                    }
+                )
+        if usage:
+            yield _sse({**head, "choices": [], "usage": _usage([ids], [final])})
+    except Exception as e:
+        yield _sse(error_from(e).body())
     yield "data: [DONE]\n\n"
+
 
 def sse(self: _Handlers, events):
     from fastapi.responses import StreamingResponse
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
 
 _Handlers.chat, _Handlers.chat_events, _Handlers.sse = chat, chat_events, sse
 
 # %% ../nbs/09_server.ipynb #03ecd24f
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")   # pydantic union members in error locations
+_TYPE_TAG = re.compile(
+    r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$"
+)  # pydantic union members in error locations
 
-def build_app(engine,                                # an `AsyncLLMEngine`, or an `LLMEngine` to wrap in one
-              served_model_name: str = "hetero-infer",  # the `model` clients send
-              api_key: str | None = None,           # when set, `/v1/*` needs `Authorization: Bearer <api_key>`
-              max_body_bytes: int = 1 << 20,        # larger request bodies get 413
-              request_timeout: float | None = None, # seconds before a request is aborted (504); None: no limit
-              max_queued_requests: int | None = None, # sequences allowed to wait; past it 503
-              default_sampling: dict | None = None, # SamplingParams fields used when a request leaves them out
-              engine_factory=None,                  # builds the `LLMEngine` when `engine` is an empty `AsyncLLMEngine` (loaded in the background)
-              ):
+
+def build_app(
+    engine,  # an `AsyncLLMEngine`, or an `LLMEngine` to wrap in one
+    served_model_name: str = "hetero-infer",  # the `model` clients send
+    api_key: str | None = None,  # when set, `/v1/*` needs `Authorization: Bearer <api_key>`
+    max_body_bytes: int = 1 << 20,  # larger request bodies get 413
+    request_timeout: float
+    | None = None,  # seconds before a request is aborted (504); None: no limit
+    max_queued_requests: int | None = None,  # sequences allowed to wait; past it 503
+    default_sampling: dict
+    | None = None,  # SamplingParams fields used when a request leaves them out
+    engine_factory=None,  # builds the `LLMEngine` when `engine` is an empty `AsyncLLMEngine` (loaded in the background)
+):
     "The OpenAI-compatible FastAPI app over one async engine; its lifespan starts and drains the engine loop."
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
+
     aeng = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
-    if aeng.engine is None and engine_factory is None: raise ValueError("engine_factory: needed when the AsyncLLMEngine has no engine yet")
-    if max_queued_requests is not None: aeng.max_queued_requests = max_queued_requests
+    if aeng.engine is None and engine_factory is None:
+        raise ValueError("engine_factory: needed when the AsyncLLMEngine has no engine yet")
+    if max_queued_requests is not None:
+        aeng.max_queued_requests = max_queued_requests
 
     @asynccontextmanager
     async def lifespan(app):
         loading = None
-        if aeng.engine is None: loading = asyncio.get_running_loop().create_task(aeng.load(engine_factory))
-        else: aeng.start()
+        if aeng.engine is None:
+            loading = asyncio.get_running_loop().create_task(aeng.load(engine_factory))
+        else:
+            aeng.start()
         yield
-        if loading is not None and not loading.done(): loading.cancel()   # the load itself finishes on the worker thread
+        if loading is not None and not loading.done():
+            loading.cancel()  # the load itself finishes on the worker thread
         await aeng.shutdown()
 
     import hetero_infer
+
     app = FastAPI(title="hetero_infer", version=hetero_infer.__version__, lifespan=lifespan)
-    metrics, h = ServerMetrics(aeng), _Handlers(aeng, served_model_name, request_timeout, default_sampling)
+    metrics, h = (
+        ServerMetrics(aeng),
+        _Handlers(aeng, served_model_name, request_timeout, default_sampling),
+    )
     app.state.engine, app.state.metrics = aeng, metrics
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=lambda s: metrics.rejected.labels(str(s)).inc())
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        on_reject=lambda s: metrics.rejected.labels(str(s)).inc(),
+    )
 
     def reply(err: APIError):
-        if err.status != 500: metrics.rejected.labels(str(err.status)).inc()
+        if err.status != 500:
+            metrics.rejected.labels(str(err.status)).inc()
         return _error_response(err)
 
     @app.exception_handler(APIError)
-    async def _api(request, exc): return reply(exc)
+    async def _api(request, exc):
+        return reply(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
         e = (exc.errors() or [{}])[0]
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x)))
-        if e.get("type") == "json_invalid": return reply(APIError(400, f"malformed JSON body: {e.get('msg')}", param=None, code="json_invalid"))
-        return reply(APIError(400, f"{loc or 'body'}: {e.get('msg', 'invalid value')}", param=loc or None))
+        loc = ".".join(
+            str(x) for x in e.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x))
+        )
+        if e.get("type") == "json_invalid":
+            return reply(
+                APIError(
+                    400, f"malformed JSON body: {e.get('msg')}", param=None, code="json_invalid"
+                )
+            )
+        return reply(
+            APIError(400, f"{loc or 'body'}: {e.get('msg', 'invalid value')}", param=loc or None)
+        )
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc):
-        return reply(APIError(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "internal_error"))
+        return reply(
+            APIError(
+                exc.status_code,
+                str(exc.detail),
+                "invalid_request_error" if exc.status_code < 500 else "internal_error",
+            )
+        )
 
     @app.exception_handler(Exception)
-    async def _crash(request, exc): return reply(error_from(exc))
+    async def _crash(request, exc):
+        return reply(error_from(exc))
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):
@@ -768,79 +1416,154 @@ def build_app(engine,                                # an `AsyncLLMEngine`, or a
 
     @app.get("/v1/models")
     async def models():
-        if aeng.engine is None: raise error_from(ServerLoading("the model is still loading; retry when /readyz answers 200"))
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0, "owned_by": "hetero-infer",
-                                            "max_model_len": aeng.max_model_len}]}
+        if aeng.engine is None:
+            raise error_from(
+                ServerLoading("the model is still loading; retry when /readyz answers 200")
+            )
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "hetero-infer",
+                    "max_model_len": aeng.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/healthz")
-    async def healthz(): return {"status": "ok"}
+    async def healthz():
+        return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz():
         ok = aeng.is_running and not aeng.draining and not aeng.fatal
-        status = ("ready" if ok else "dead" if aeng.fatal else "draining" if aeng.draining else
-                  "loading" if aeng.engine is None and aeng.load_error is None else "failed" if aeng.load_error else "starting")
+        status = (
+            "ready"
+            if ok
+            else "dead"
+            if aeng.fatal
+            else "draining"
+            if aeng.draining
+            else "loading"
+            if aeng.engine is None and aeng.load_error is None
+            else "failed"
+            if aeng.load_error
+            else "starting"
+        )
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus():
         from prometheus_client import CONTENT_TYPE_LATEST
+
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
+
 # %% ../nbs/09_server.ipynb #8cd1f600
-def _uvicorn_server(app, host: str, port: int, aeng: AsyncLLMEngine, shutdown_timeout: float, log_level: str = "info"):
+def _uvicorn_server(
+    app,
+    host: str,
+    port: int,
+    aeng: AsyncLLMEngine,
+    shutdown_timeout: float,
+    log_level: str = "info",
+):
     "A uvicorn server whose first SIGTERM/SIGINT drains the engine (running requests finish or are aborted with a final event) before it stops."
     import uvicorn
+
     class DrainingServer(uvicorn.Server):
         _loop, _draining = None, False
+
         async def serve(self, sockets=None):
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
-        def handle_exit(self, sig, frame):        # runs on the main thread between bytecodes: only schedule work here
+
+        def handle_exit(
+            self, sig, frame
+        ):  # runs on the main thread between bytecodes: only schedule work here
             if self._draining or self._loop is None:
-                if self._draining and sig == signal.SIGINT: self.force_exit = True
-                self.should_exit = True; return
+                if self._draining and sig == signal.SIGINT:
+                    self.force_exit = True
+                self.should_exit = True
+                return
             self._draining = True
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
         async def _drain(self):
-            try: await aeng.drain(shutdown_timeout)
-            finally: self.should_exit = True
-    cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=False)
+            try:
+                await aeng.drain(shutdown_timeout)
+            finally:
+                self.should_exit = True
+
+    cfg = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )
     return DrainingServer(cfg)
 
-def serve(config: EngineConfig | None = None,           # engine configuration (model, cache, batch limits)
-          host: str = "127.0.0.1", port: int = 3000,
-          api_key: str | None = None,
-          served_model_name: str = "hetero-infer",
-          shutdown_timeout: float = 30.0,              # on SIGTERM: seconds running requests may take before they are aborted
-          log_level: str = "info",
-          **app_kwargs) -> int:
+
+def serve(
+    config: EngineConfig | None = None,  # engine configuration (model, cache, batch limits)
+    host: str = "127.0.0.1",
+    port: int = 3000,
+    api_key: str | None = None,
+    served_model_name: str = "hetero-infer",
+    shutdown_timeout: float = 30.0,  # on SIGTERM: seconds running requests may take before they are aborted
+    log_level: str = "info",
+    **app_kwargs,
+) -> int:
     "Load the model, serve the OpenAI API until SIGTERM/SIGINT, drain, and return 0; 1 when the engine broke for good."
     from hetero_infer.engine import LLMEngine
-    aeng = AsyncLLMEngine(None)            # listening at once: /healthz 200, /readyz 503 until the model is loaded
-    app = build_app(aeng, served_model_name=served_model_name, api_key=api_key, engine_factory=lambda: LLMEngine(config or EngineConfig()), **app_kwargs)
+
+    aeng = AsyncLLMEngine(
+        None
+    )  # listening at once: /healthz 200, /readyz 503 until the model is loaded
+    app = build_app(
+        aeng,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        engine_factory=lambda: LLMEngine(config or EngineConfig()),
+        **app_kwargs,
+    )
     server = _uvicorn_server(app, host, port, aeng, shutdown_timeout, log_level)
     aeng.on_fatal = lambda why: setattr(server, "should_exit", True)
-    try: server.run()
+    try:
+        server.run()
     finally:
-        if aeng.engine is not None: aeng.engine.close()
-    if aeng.load_error is not None: raise aeng.load_error    # the model or config could not be loaded (the CLI says which flag)
-    if server.started is False: raise OSError(f"could not serve on {host}:{port} (see the log above)")
+        if aeng.engine is not None:
+            aeng.engine.close()
+    if aeng.load_error is not None:
+        raise aeng.load_error  # the model or config could not be loaded (the CLI says which flag)
+    if server.started is False:
+        raise OSError(f"could not serve on {host}:{port} (see the log above)")
     if aeng.fatal:
         print(f"hetero-infer: error: the engine stopped: {aeng.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
 
+
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
     "Start `app` under uvicorn on a background thread (notebooks, tests); returns (server, base_url). Stop with `server.should_exit = True`."
     import uvicorn
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-    t = threading.Thread(target=server.run, daemon=True); t.start()
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    )
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
     end = time.monotonic() + timeout
     while not server.started:
-        if not t.is_alive() or time.monotonic() > end: raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        if not t.is_alive() or time.monotonic() > end:
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     server.thread = t

@@ -13,255 +13,419 @@ from .sampler import Sampler, sampling_probs, exponential_race, row_seed, token_
 from .model import ModelRunner
 
 # %% auto #0
-__all__ = ['DRAFT_SALT', 'ACCEPT_SALT', 'ngram_propose', 'NgramIndex', 'NgramProposer', 'free_tail_blocks', 'seq_view',
-           'row_generator', 'needs_own_state', 'draw', 'DraftProposer', 'truncated_draft', 'verify_proposals',
-           'Speculator']
+__all__ = [
+    "DRAFT_SALT",
+    "ACCEPT_SALT",
+    "ngram_propose",
+    "NgramIndex",
+    "NgramProposer",
+    "free_tail_blocks",
+    "seq_view",
+    "row_generator",
+    "needs_own_state",
+    "draw",
+    "DraftProposer",
+    "truncated_draft",
+    "verify_proposals",
+    "Speculator",
+]
+
 
 # %% ../nbs/12_speculative_decoding.ipynb #858fd0c6
-def ngram_propose(tokens: list[int], # the sequence so far: prompt + output
-                  k: int,            # most tokens to propose
-                  n_min: int = 1,    # shortest suffix to match
-                  n_max: int = 3,    # longest suffix to match, tried first
-                 ) -> list[int]:
+def ngram_propose(
+    tokens: list[int],  # the sequence so far: prompt + output
+    k: int,  # most tokens to propose
+    n_min: int = 1,  # shortest suffix to match
+    n_max: int = 3,  # longest suffix to match, tried first
+) -> list[int]:
     "Prompt lookup: the (up to) `k` tokens that followed the latest earlier occurrence of the sequence's last n tokens, longest n first."
     L = len(tokens)
-    if k < 1 or L < n_min + 1: return []
+    if k < 1 or L < n_min + 1:
+        return []
     t = torch.tensor(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        windows = t[:L - 1].unfold(0, n, 1)                          # (L - n, n): every earlier n-gram (none ends at the last token)
-        hits = (windows == t[L - n:]).all(-1).nonzero()
+        windows = t[: L - 1].unfold(
+            0, n, 1
+        )  # (L - n, n): every earlier n-gram (none ends at the last token)
+        hits = (windows == t[L - n :]).all(-1).nonzero()
         if len(hits):
-            i = int(hits[-1]) + n                                     # the token after the latest match
-            return tokens[i:i + k]
+            i = int(hits[-1]) + n  # the token after the latest match
+            return tokens[i : i + k]
     return []
+
 
 # %% ../nbs/12_speculative_decoding.ipynb #b7b0d833
 class NgramIndex:
     "Where each n-gram of one sequence last started, for n in [n_min, n_max], updated with each new token: a lookup costs O(1)."
+
     def __init__(self, n_min: int, n_max: int):
-        self.n_min, self.n_max, self.upto = n_min, n_max, 0      # windows ending before position `upto` are indexed
-        self.last = {n: {} for n in range(n_min, n_max + 1)}     # n -> {n-gram: latest start}
+        self.n_min, self.n_max, self.upto = (
+            n_min,
+            n_max,
+            0,
+        )  # windows ending before position `upto` are indexed
+        self.last = {n: {} for n in range(n_min, n_max + 1)}  # n -> {n-gram: latest start}
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         "The same answer as `ngram_propose(tokens, k, n_min, n_max)`, reading only the tokens added since the last call."
         L = len(tokens)
-        for end in range(self.upto, L - 1):                       # index the windows ending at end (never the last token)
+        for end in range(
+            self.upto, L - 1
+        ):  # index the windows ending at end (never the last token)
             for n, d in self.last.items():
-                if end + 1 >= n: d[tuple(tokens[end + 1 - n:end + 1])] = end + 1 - n
+                if end + 1 >= n:
+                    d[tuple(tokens[end + 1 - n : end + 1])] = end + 1 - n
         self.upto = max(self.upto, L - 1)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            i = self.last[n].get(tuple(tokens[L - n:]))
-            if i is not None: return tokens[i + n:i + n + k]
+            i = self.last[n].get(tuple(tokens[L - n :]))
+            if i is not None:
+                return tokens[i + n : i + n + k]
         return []
+
 
 class NgramProposer:
     "Proposes from the sequence's own tokens (no model), with an `NgramIndex` per sequence; the proposal distribution is a point mass."
+
     def __init__(self, config: EngineConfig):
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
-        self.index: dict[int, NgramIndex] = {}     # seq_id -> its index
+        self.index: dict[int, NgramIndex] = {}  # seq_id -> its index
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         "Proposals for each sequence (maybe empty), and None for their draft probabilities (a point mass on each token)."
         props = []
         for s, k in zip(seqs, ks):
-            if not k: props.append([]); continue
+            if not k:
+                props.append([])
+                continue
             ix = self.index.get(s.seq_id)
-            if ix is None: ix = self.index[s.seq_id] = NgramIndex(self.n_min, self.n_max)
+            if ix is None:
+                ix = self.index[s.seq_id] = NgramIndex(self.n_min, self.n_max)
             props.append(ix.propose(s.token_ids, k))
         return props, [None] * len(seqs)
 
     def drop(self, live: set[int]) -> None:
         "Forget the indexes of sequences not in `live`."
-        for sid in [s for s in self.index if s not in live]: del self.index[sid]
+        for sid in [s for s in self.index if s not in live]:
+            del self.index[sid]
+
 
 # %% ../nbs/12_speculative_decoding.ipynb #a630e033
 def free_tail_blocks(bm: BlockManager, seq: Sequence, keep: int) -> None:
     "Give back `seq`'s blocks after its first `keep`: blocks only rejected proposals were written to (never published)."
     t = seq.block_table
-    for b in reversed(t[keep:]): bm._release(b)
+    for b in reversed(t[keep:]):
+        bm._release(b)
     del t[keep:]
+
 
 def seq_view(seq: Sequence, length: int) -> Sequence:
     "A throwaway copy of `seq` holding only its first `length` tokens: the state a sampler sees at one verification row."
-    return Sequence(seq.seq_id, seq.request_id, seq.token_ids[:length], seq.num_prompt_tokens, seq.params, seq.index,
-                    seq.arrival_time, seq.priority, seq.status)
+    return Sequence(
+        seq.seq_id,
+        seq.request_id,
+        seq.token_ids[:length],
+        seq.num_prompt_tokens,
+        seq.params,
+        seq.index,
+        seq.arrival_time,
+        seq.priority,
+        seq.status,
+    )
 
-DRAFT_SALT, ACCEPT_SALT = 0x5EED_D4AF, 0xACCE_97ED   # keep the draft's, the verifier's and the plain sampler's seeded draws apart
 
-def row_generator(sampler: Sampler, seq: Sequence, num_output: int, device, salt: int) -> torch.Generator:
+DRAFT_SALT, ACCEPT_SALT = (
+    0x5EED_D4AF,
+    0xACCE_97ED,
+)  # keep the draft's, the verifier's and the plain sampler's seeded draws apart
+
+
+def row_generator(
+    sampler: Sampler, seq: Sequence, num_output: int, device, salt: int
+) -> torch.Generator:
     "The generator for `seq`'s row after `num_output` output tokens: seeded from (seed, index, num_output, salt) for a seeded request, else the sampler's shared one."
     p = seq.params
-    if p.seed is None: return sampler.generator(device)
+    if p.seed is None:
+        return sampler.generator(device)
     return torch.Generator(device).manual_seed(row_seed(p.seed ^ salt, seq.index, num_output))
+
 
 def needs_own_state(seq: Sequence) -> bool:
     "Whether `seq`'s logits depend on its tokens so far (penalties, or min_tokens not yet reached): then each row needs its own view."
     p = seq.params
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or seq.num_output_tokens - seq.num_spec_tokens < p.min_tokens)
+    return bool(
+        p.presence_penalty
+        or p.frequency_penalty
+        or p.repetition_penalty != 1
+        or seq.num_output_tokens - seq.num_spec_tokens < p.min_tokens
+    )
+
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     "One token from the (unnormalised) distribution `probs` (V,), by the exponential race."
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return int(exponential_race(probs[None], noise[None])[0])
 
+
 # %% ../nbs/12_speculative_decoding.ipynb #fc36a639
 class DraftProposer:
     "A smaller model with the same vocabulary, run by `ModelRunner` with its own paged KV cache, kept in step with the target's tokens."
+
     def __init__(self, config: EngineConfig, vocab_size: int, eos_token_ids=()):
-        cfg = dataclasses.replace(config, model=config.speculative_model, tokenizer=None, speculative_method=None, speculative_model=None,
-                                  tensor_parallel_size=1, enable_prefix_caching=False)
-        try: self.runner = ModelRunner(cfg)
-        except (ValueError, OSError) as e: raise ValueError(f"speculative_model: {e}") from None
+        cfg = dataclasses.replace(
+            config,
+            model=config.speculative_model,
+            tokenizer=None,
+            speculative_method=None,
+            speculative_model=None,
+            tensor_parallel_size=1,
+            enable_prefix_caching=False,
+        )
+        try:
+            self.runner = ModelRunner(cfg)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_model: {e}") from None
         V = self.runner.model.config.vocab_size
-        if V != vocab_size: raise ValueError(f"speculative_model: the draft's vocab_size is {V}, the target's {vocab_size}; they must share one vocabulary")
+        if V != vocab_size:
+            raise ValueError(
+                f"speculative_model: the draft's vocab_size is {V}, the target's {vocab_size}; they must share one vocabulary"
+            )
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, enable_prefix_caching=False)
         self.sampler = Sampler(eos_token_ids, seed=config.seed + 1)
-        self.seqs: dict[int, Sequence] = {}       # target seq_id -> its draft sequence
-        self.real: dict[int, int] = {}            # target seq_id -> leading draft tokens known to be the target's
+        self.seqs: dict[int, Sequence] = {}  # target seq_id -> its draft sequence
+        self.real: dict[
+            int, int
+        ] = {}  # target seq_id -> leading draft tokens known to be the target's
 
     def drop(self, live: set[int]) -> None:
         "Free the draft sequences of target sequences not in `live` (finished, preempted, or not speculating)."
         for sid in [s for s in self.seqs if s not in live]:
-            self.bm.free(self.seqs.pop(sid)); self.real.pop(sid)
+            self.bm.free(self.seqs.pop(sid))
+            self.real.pop(sid)
 
     def _sync(self, s: Sequence) -> Sequence | None:
         "The draft sequence of target `s`, its tokens made equal to `s`'s; KV past the first difference is forgotten."
         d, toks = self.seqs.get(s.seq_id), s.token_ids
         if d is None:
             d = Sequence(s.seq_id, s.request_id, toks, s.num_prompt_tokens, s.params, s.index)
-            try: self.bm.allocate(d)
-            except NoFreeBlocksError: return None
+            try:
+                self.bm.allocate(d)
+            except NoFreeBlocksError:
+                return None
             self.seqs[s.seq_id], self.real[s.seq_id] = d, len(toks)
             return d
         m, dt = self.real[s.seq_id], d.token_ids
-        while m < len(dt) and m < len(toks) and dt[m] == toks[m]: m += 1   # proposals the target accepted
+        while m < len(dt) and m < len(toks) and dt[m] == toks[m]:
+            m += 1  # proposals the target accepted
         d.num_computed_tokens = min(d.num_computed_tokens, m)
-        del dt[m:]; dt += toks[m:]
+        del dt[m:]
+        dt += toks[m:]
         self.real[s.seq_id] = len(toks)
         return d
 
-    def _sample(self, logits: torch.Tensor, ds: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+    def _sample(
+        self, logits: torch.Tensor, ds: list[Sequence]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
         "Each draft row's token, with the distribution it was drawn from (None for greedy requests), under the request's parameters."
-        views = [seq_view(d, len(d)) if needs_own_state(d) else d for d in ds]   # a copy where the sampler keeps per-sequence state
+        views = [
+            seq_view(d, len(d)) if needs_own_state(d) else d for d in ds
+        ]  # a copy where the sampler keeps per-sequence state
         x = self.sampler.adjust_logits(logits.float(), views)
         toks, qs = x.argmax(-1).tolist(), [None] * len(ds)
         for i, d in enumerate(ds):
             p = d.params
-            if p.greedy: continue
+            if p.greedy:
+                continue
             V = x.shape[-1]
-            q = sampling_probs(x[i:i + 1], torch.tensor([p.temperature], device=x.device), torch.tensor([min(p.top_k, V) if p.top_k > 0 else V], device=x.device),
-                               torch.tensor([p.top_p], device=x.device), torch.tensor([p.min_p], device=x.device))[0]
-            toks[i], qs[i] = draw(q, row_generator(self.sampler, d, d.num_output_tokens, x.device, DRAFT_SALT)), q
+            q = sampling_probs(
+                x[i : i + 1],
+                torch.tensor([p.temperature], device=x.device),
+                torch.tensor([min(p.top_k, V) if p.top_k > 0 else V], device=x.device),
+                torch.tensor([p.top_p], device=x.device),
+                torch.tensor([p.min_p], device=x.device),
+            )[0]
+            toks[i], qs[i] = (
+                draw(q, row_generator(self.sampler, d, d.num_output_tokens, x.device, DRAFT_SALT)),
+                q,
+            )
         return toks, qs
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         "Up to ks[i] tokens for each target sequence from the draft model (one draft forward pass per token), and their draft probabilities."
         props, qs = [[] for _ in seqs], [[] for _ in seqs]
         drafts = [self._sync(s) if k else None for s, k in zip(seqs, ks)]
         for j in range(max(ks, default=0)):
             items, who = [], []
             for i, d in enumerate(drafts):
-                if d is None or ks[i] <= j: continue
+                if d is None or ks[i] <= j:
+                    continue
                 n = len(d) - d.num_computed_tokens
-                try: slots, _ = self.bm.append_slots(d, n)       # no prefix caching, no forks: never a copy
-                except NoFreeBlocksError: drafts[i] = None; continue
-                items.append(ScheduledSeq(d, n, slots)); who.append(i)
-            if not items: break
-            order = sorted(range(len(items)), key=lambda r: items[r].num_tokens != 1)   # decodes first, as the runner expects
+                try:
+                    slots, _ = self.bm.append_slots(
+                        d, n
+                    )  # no prefix caching, no forks: never a copy
+                except NoFreeBlocksError:
+                    drafts[i] = None
+                    continue
+                items.append(ScheduledSeq(d, n, slots))
+                who.append(i)
+            if not items:
+                break
+            order = sorted(
+                range(len(items)), key=lambda r: items[r].num_tokens != 1
+            )  # decodes first, as the runner expects
             items, who = [items[r] for r in order], [who[r] for r in order]
             logits = self.runner.execute(SchedulerOutput(scheduled=items))
             toks, q = self._sample(logits, [it.seq for it in items])
             for it, i, t, qi in zip(items, who, toks, q):
                 self.bm.commit(it.seq, it.num_tokens)
-                it.seq.append_token(t); props[i].append(t); qs[i].append(qi)
+                it.seq.append_token(t)
+                props[i].append(t)
+                qs[i].append(qi)
         return props, [torch.stack(q) if q and q[0] is not None else None for q in qs]
 
+
 # %% ../nbs/12_speculative_decoding.ipynb #07d6867d
-def truncated_draft(src,            # a checkpoint directory (config.json + *.safetensors, maybe a tokenizer)
-                    dst,            # where to write the draft
-                    num_layers: int # decoder layers to keep, from the bottom
-                   ) -> str:
+def truncated_draft(
+    src,  # a checkpoint directory (config.json + *.safetensors, maybe a tokenizer)
+    dst,  # where to write the draft
+    num_layers: int,  # decoder layers to keep, from the bottom
+) -> str:
     "Write a draft model made of `src`'s embedding, first `num_layers` layers, final norm and LM head: same vocabulary, a fraction of the work."
-    import json, shutil
+    import json
+    import shutil
     from pathlib import Path
     from safetensors import safe_open
     from safetensors.torch import save_file
     from hetero_infer.model import checkpoint_files
+
     src, dst = Path(src), Path(dst)
     cfg = json.loads((src / "config.json").read_text())
-    if not 1 <= num_layers <= cfg["num_hidden_layers"]: raise ValueError(f"num_layers must be in [1, {cfg['num_hidden_layers']}], got {num_layers}")
+    if not 1 <= num_layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, {cfg['num_hidden_layers']}], got {num_layers}")
     dst.mkdir(parents=True, exist_ok=True)
     keep = {}
     for f in checkpoint_files(src):
         with safe_open(f, "pt") as sf:
             for name in sf.keys():
                 parts = name.split(".")
-                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers: continue
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                    continue
                 keep[name] = sf.get_tensor(name)
     save_file(keep, dst / "model.safetensors", metadata={"format": "pt"})
     cfg["num_hidden_layers"] = num_layers
-    if isinstance(cfg.get("layer_types"), list): cfg["layer_types"] = cfg["layer_types"][:num_layers]
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:num_layers]
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in src.iterdir():
-        if f.name not in ("config.json", "model.safetensors.index.json") and f.suffix != ".safetensors" and f.is_file(): shutil.copy(f, dst / f.name)
+        if (
+            f.name not in ("config.json", "model.safetensors.index.json")
+            and f.suffix != ".safetensors"
+            and f.is_file()
+        ):
+            shutil.copy(f, dst / f.name)
     return str(dst)
+
 
 # %% ../nbs/12_speculative_decoding.ipynb #602c7b71
 def _probs(x: torch.Tensor, s: Sequence) -> torch.Tensor:
     "The distribution `s`'s parameters draw from, for adjusted logits x (R, V): temperature, top-k, top-p, min-p."
     p, (R, V), dev = s.params, x.shape, x.device
-    def col(v, dt=torch.float32): return torch.full((R,), v, dtype=dt, device=dev)
-    return sampling_probs(x, col(p.temperature), col(min(p.top_k, V) if p.top_k > 0 else V, torch.long), col(p.top_p), col(p.min_p))
 
-def verify_proposals(sampler: Sampler,       # the target's sampler: its bans, penalties and generators apply
-                     logits: torch.Tensor,   # (sum(k_i + 1), V) the target's logits at each sequence's last token and proposals
-                     seqs: list[Sequence],   # sequences with k_i = num_spec_tokens proposals at the end of token_ids
-                     qs: list,               # per sequence: (k_i, V) draft probabilities, or None for a point mass on each proposal
-                    ) -> list[list[int]]:
+    def col(v, dt=torch.float32):
+        return torch.full((R,), v, dtype=dt, device=dev)
+
+    return sampling_probs(
+        x,
+        col(p.temperature),
+        col(min(p.top_k, V) if p.top_k > 0 else V, torch.long),
+        col(p.top_p),
+        col(p.min_p),
+    )
+
+
+def verify_proposals(
+    sampler: Sampler,  # the target's sampler: its bans, penalties and generators apply
+    logits: torch.Tensor,  # (sum(k_i + 1), V) the target's logits at each sequence's last token and proposals
+    seqs: list[Sequence],  # sequences with k_i = num_spec_tokens proposals at the end of token_ids
+    qs: list,  # per sequence: (k_i, V) draft probabilities, or None for a point mass on each proposal
+) -> list[list[int]]:
     "Per sequence, the accepted proposals and one token more: greedy accepts while the target's argmax agrees; sampling accepts with min(1, p/q)."
     views, starts = [], []
     for s in seqs:
         k, L = s.num_spec_tokens, len(s.token_ids)
         starts.append(len(views))
-        views += [seq_view(s, L - k + j) for j in range(k + 1)] if needs_own_state(s) else [s] * (k + 1)   # row j: the state after j proposals
-    x = sampler.adjust_logits(logits.float(), views)          # min_tokens bans and penalties of each row's own state
+        views += (
+            [seq_view(s, L - k + j) for j in range(k + 1)] if needs_own_state(s) else [s] * (k + 1)
+        )  # row j: the state after j proposals
+    x = sampler.adjust_logits(
+        logits.float(), views
+    )  # min_tokens bans and penalties of each row's own state
     best, out = x.argmax(-1).tolist(), []
     for s, r0, q in zip(seqs, starts, qs):
         k = s.num_spec_tokens
-        props, toks = s.token_ids[len(s.token_ids) - k:], []
+        props, toks = s.token_ids[len(s.token_ids) - k :], []
         if s.params.greedy:
             for j in range(k + 1):
                 toks.append(best[r0 + j])
-                if j == k or toks[-1] != props[j]: break
-            out.append(toks); continue
-        p = _probs(x[r0:r0 + k + 1], s)                       # (k + 1, V) the target's distributions
+                if j == k or toks[-1] != props[j]:
+                    break
+            out.append(toks)
+            continue
+        p = _probs(x[r0 : r0 + k + 1], s)  # (k + 1, V) the target's distributions
         for j in range(k + 1):
             gen = row_generator(sampler, s, s.num_output_tokens - k + j, x.device, ACCEPT_SALT)
-            if j == k: toks.append(draw(p[j], gen)); break   # every proposal accepted: one more from the last row
+            if j == k:
+                toks.append(draw(p[j], gen))
+                break  # every proposal accepted: one more from the last row
             d = props[j]
             qd = 1.0 if q is None else float(q[j, d])
-            if float(torch.rand((), generator=gen, device=x.device)) * qd < float(p[j, d]): toks.append(d); continue
-            resid = (p[j] - q[j]).clamp_min(0) if q is not None else p[j].clone().index_fill_(0, torch.tensor(d, device=x.device), 0)
-            toks.append(draw(resid if float(resid.sum()) > 0 else p[j], gen)); break
+            if float(torch.rand((), generator=gen, device=x.device)) * qd < float(p[j, d]):
+                toks.append(d)
+                continue
+            resid = (
+                (p[j] - q[j]).clamp_min(0)
+                if q is not None
+                else p[j].clone().index_fill_(0, torch.tensor(d, device=x.device), 0)
+            )
+            toks.append(draw(resid if float(resid.sum()) > 0 else p[j], gen))
+            break
         out.append(toks)
     return out
+
 
 # %% ../nbs/12_speculative_decoding.ipynb #1791adf4
 class Speculator:
     "The engine's speculative decoding: propose before scheduling, fit proposals to the schedule, verify and rewind after the forward pass."
+
     def __init__(self, config: EngineConfig, vocab_size: int, eos_token_ids=()):
         self.config, self.k = config, config.num_speculative_tokens
-        self.proposer = (NgramProposer(config) if config.speculative_method == "ngram"
-                         else DraftProposer(config, vocab_size, eos_token_ids))
-        self.pending: dict[int, Sequence] = {}            # seq_id -> sequence carrying proposals this step
-        self.q: dict[int, torch.Tensor | None] = {}       # seq_id -> draft probabilities of its proposals
+        self.proposer = (
+            NgramProposer(config)
+            if config.speculative_method == "ngram"
+            else DraftProposer(config, vocab_size, eos_token_ids)
+        )
+        self.pending: dict[int, Sequence] = {}  # seq_id -> sequence carrying proposals this step
+        self.q: dict[
+            int, torch.Tensor | None
+        ] = {}  # seq_id -> draft probabilities of its proposals
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_at = [0] * self.k                   # how often the j-th proposal was accepted
+        self.accepted_at = [0] * self.k  # how often the j-th proposal was accepted
 
     def budget(self, s: Sequence) -> int:
         "Proposals `s` can use: k, fewer when max_tokens or max_model_len is near (the last token is always the target's)."
         p, left = s.params, self.config.max_model_len - len(s.token_ids)
-        return max(0, min(self.k, left, self.k if p.max_tokens is None else p.max_tokens - s.num_output_tokens - 1))
+        return max(
+            0,
+            min(
+                self.k,
+                left,
+                self.k if p.max_tokens is None else p.max_tokens - s.num_output_tokens - 1,
+            ),
+        )
 
     def propose(self, candidates: list[Sequence]) -> None:
         "Append proposals to the token_ids of running decodes (`num_spec_tokens` of them)."
@@ -269,65 +433,99 @@ class Speculator:
         self.proposer.drop({s.seq_id for s, k in zip(candidates, ks) if k})
         props, qs = self.proposer.propose(candidates, ks)
         for s, prop, q in zip(candidates, props, qs):
-            if not prop: continue
-            s.token_ids += prop; s.num_spec_tokens = len(prop)
+            if not prop:
+                continue
+            s.token_ids += prop
+            s.num_spec_tokens = len(prop)
             self.pending[s.seq_id], self.q[s.seq_id] = s, q
 
     def strip(self, s: Sequence, m: int) -> None:
         "Take `s`'s last `m` proposals back out of its tokens."
-        if m <= 0: return
-        del s.token_ids[len(s.token_ids) - m:]
+        if m <= 0:
+            return
+        del s.token_ids[len(s.token_ids) - m :]
         s.num_spec_tokens -= m
         q = self.q.get(s.seq_id)
-        if q is not None: self.q[s.seq_id] = q[:s.num_spec_tokens]
+        if q is not None:
+            self.q[s.seq_id] = q[: s.num_spec_tokens]
 
     def fit(self, sched: SchedulerOutput) -> None:
         "Keep what the step runs: every proposal of a sequence scheduled whole, the first n - 1 of one given n tokens, none of one left out."
         n_of = {it.seq.seq_id: it.num_tokens for it in sched.scheduled}
         for sid, s in list(self.pending.items()):
             self.strip(s, s.num_spec_tokens - max(n_of.get(sid, 0) - 1, 0))
-            if not s.num_spec_tokens: del self.pending[sid]; self.q.pop(sid, None)
+            if not s.num_spec_tokens:
+                del self.pending[sid]
+                self.q.pop(sid, None)
 
     def abandon(self) -> None:
         "The step failed: every proposal goes (the step is retried as plain decodes)."
-        for s in self.pending.values(): self.strip(s, s.num_spec_tokens)
-        self.pending.clear(); self.q.clear()
+        for s in self.pending.values():
+            self.strip(s, s.num_spec_tokens)
+        self.pending.clear()
+        self.q.clear()
 
-    def verify(self, sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[list[int], list, list]]:
+    def verify(
+        self, sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[list[int], list, list]]:
         "Per sequence: the tokens to emit (accepted proposals, then the target's), their logprobs and top-logprob dicts."
         toks = verify_proposals(sampler, logits, seqs, [self.q.get(s.seq_id) for s in seqs])
         rows, flat, num_top, r = [], [], [], 0
         for s, t in zip(seqs, toks):
-            rows += range(r, r + len(t)); flat += t; num_top += [s.params.logprobs] * len(t); r += s.num_spec_tokens + 1
-            self.num_drafts += 1; self.num_draft_tokens += s.num_spec_tokens; self.num_accepted_tokens += len(t) - 1
-            for j in range(len(t) - 1): self.accepted_at[j] += 1
+            rows += range(r, r + len(t))
+            flat += t
+            num_top += [s.params.logprobs] * len(t)
+            r += s.num_spec_tokens + 1
+            self.num_drafts += 1
+            self.num_draft_tokens += s.num_spec_tokens
+            self.num_accepted_tokens += len(t) - 1
+            for j in range(len(t) - 1):
+                self.accepted_at[j] += 1
         idx = torch.tensor(rows, device=logits.device)
-        lps, tops = token_logprobs(logits.float()[idx], torch.tensor(flat, device=logits.device), num_top, only_top=not sampler.all_logprobs)
+        lps, tops = token_logprobs(
+            logits.float()[idx],
+            torch.tensor(flat, device=logits.device),
+            num_top,
+            only_top=not sampler.all_logprobs,
+        )
         out, i = [], 0
-        for t in toks: out.append((t, lps[i:i + len(t)], tops[i:i + len(t)])); i += len(t)
+        for t in toks:
+            out.append((t, lps[i : i + len(t)], tops[i : i + len(t)]))
+            i += len(t)
         return out
 
-    def rewind(self, sched: SchedulerOutput, seqs: list[Sequence], emitted: list[list[int]]) -> None:
+    def rewind(
+        self, sched: SchedulerOutput, seqs: list[Sequence], emitted: list[list[int]]
+    ) -> None:
         "Before the scheduler commits: drop rejected proposals, so only the KV of accepted tokens is committed (and maybe cached)."
         item = {it.seq.seq_id: it for it in sched.scheduled}
         for s, t in zip(seqs, emitted):
             rejected = s.num_spec_tokens - (len(t) - 1)
-            del s.token_ids[len(s.token_ids) - rejected:]
+            del s.token_ids[len(s.token_ids) - rejected :]
             item[s.seq_id].num_tokens -= rejected
             s.num_spec_tokens = 0
-        self.pending.clear(); self.q.clear()
+        self.pending.clear()
+        self.q.clear()
 
     def settle(self, bm: BlockManager, seqs: list[Sequence], emitted: list[list[int]]) -> None:
         "After the commit: take the accepted proposals out again (the engine appends each emitted token with its stop checks) and free empty tail blocks."
         for s, t in zip(seqs, emitted):
-            if len(t) > 1: del s.token_ids[len(s.token_ids) - (len(t) - 1):]
-            if s.status is SequenceStatus.RUNNING: free_tail_blocks(bm, s, -(-s.num_computed_tokens // bm.block_size))
+            if len(t) > 1:
+                del s.token_ids[len(s.token_ids) - (len(t) - 1) :]
+            if s.status is SequenceStatus.RUNNING:
+                free_tail_blocks(bm, s, -(-s.num_computed_tokens // bm.block_size))
 
     @property
     def stats(self) -> dict:
         "Acceptance counters: drafts verified, tokens proposed and accepted, the acceptance rate and tokens per verification."
-        return {"method": self.config.speculative_method, "num_speculative_tokens": self.k, "num_drafts": self.num_drafts,
-                "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
-                "acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
-                "mean_accepted_length": (self.num_accepted_tokens + self.num_drafts) / max(self.num_drafts, 1),
-                "accepted_per_position": list(self.accepted_at)}
+        return {
+            "method": self.config.speculative_method,
+            "num_speculative_tokens": self.k,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+            "mean_accepted_length": (self.num_accepted_tokens + self.num_drafts)
+            / max(self.num_drafts, 1),
+            "accepted_per_position": list(self.accepted_at),
+        }

@@ -7,31 +7,54 @@ from __future__ import annotations
 import torch
 
 # %% auto #0
-__all__ = ['FAMILIES', 'tiny_hf_checkpoint']
+__all__ = ["FAMILIES", "tiny_hf_checkpoint"]
 
 # %% ../nbs/05a_testing.ipynb #131b0061
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
-def tiny_hf_checkpoint(path,                 # directory to write config.json and *.safetensors to
-                       family: str = "llama",  # one of FAMILIES
-                       seed: int = 0,
-                       max_shard_size=None,  # e.g. "20KB" to write several shards and an index
-                       **overrides):         # config fields, e.g. rope_scaling=..., tie_word_embeddings=True
+
+def tiny_hf_checkpoint(
+    path,  # directory to write config.json and *.safetensors to
+    family: str = "llama",  # one of FAMILIES
+    seed: int = 0,
+    max_shard_size=None,  # e.g. "20KB" to write several shards and an index
+    **overrides,
+):  # config fields, e.g. rope_scaling=..., tie_word_embeddings=True
     "Save a tiny random-weight HF model of `family` (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256); returns the HF model."
     import transformers
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6)
-    if family == "qwen3": kw["head_dim"] = 16
-    if family == "mistral": kw["sliding_window"] = None
+
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
+    if family == "qwen3":
+        kw["head_dim"] = 16
+    if family == "mistral":
+        kw["sliding_window"] = None
     arch = FAMILIES[family]
-    overrides = {k: dict(v) if isinstance(v, dict) else v for k, v in overrides.items()}   # transformers edits rope dicts in place
+    overrides = {
+        k: dict(v) if isinstance(v, dict) else v for k, v in overrides.items()
+    }  # transformers edits rope dicts in place
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**{**kw, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith("bias"): p.normal_(0, 0.5)
-            elif "norm" in n: p.uniform_(0.5, 1.5)
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in n:
+                p.uniform_(0.5, 1.5)
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, safe_serialization=True, **kw)
     return model

@@ -1,12 +1,18 @@
 # Kernels run in Triton's interpreter on a machine without a GPU. The switch must be set
 # before triton is first imported (importing a transformers model class imports it).
-import os, shutil, subprocess
+import os
+import shutil
+import subprocess
+
 
 def _has_gpu() -> bool:
-    if not shutil.which("nvidia-smi"): return False
+    if not shutil.which("nvidia-smi"):
+        return False
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
-if not _has_gpu(): os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if not _has_gpu():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Hypothesis profiles. "ci" (chosen when CI=true) is derandomized: every run draws the same examples, so a green CI
 # means the same thing twice; it ignores the local example database for the same reason. "dev" (the default elsewhere)
@@ -17,15 +23,23 @@ from hypothesis import settings
 
 # Both start from hypothesis' "default" profile: hypothesis itself loads a derandomized profile when it sees $CI.
 _base = settings.get_profile("default")
-settings.register_profile("ci", _base, derandomize=True, database=None, print_blob=True, deadline=None, max_examples=50)
-settings.register_profile("dev", _base, derandomize=False, print_blob=True, deadline=None, max_examples=50)
+settings.register_profile(
+    "ci", _base, derandomize=True, database=None, print_blob=True, deadline=None, max_examples=50
+)
+settings.register_profile(
+    "dev", _base, derandomize=False, print_blob=True, deadline=None, max_examples=50
+)
+
 
 def hypothesis_profile() -> str:
     "The profile this run uses: $HYPOTHESIS_PROFILE, else 'ci' when $CI is true, else 'dev'."
-    if os.environ.get("HYPOTHESIS_PROFILE"): return os.environ["HYPOTHESIS_PROFILE"]
+    if os.environ.get("HYPOTHESIS_PROFILE"):
+        return os.environ["HYPOTHESIS_PROFILE"]
     return "ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev"
 
+
 settings.load_profile(hypothesis_profile())
+
 
 def pytest_report_header(config):
     return f"hypothesis profile: {hypothesis_profile()} (CI=true selects 'ci', derandomized)"

@@ -1,14 +1,34 @@
 """Sweeps for the torch paged-attention reference (hetero_infer.attention) against an fp64 contiguous reference."""
-import math, random
-import pytest, torch
+
+import math
+import random
+import pytest
+import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
-from hetero_infer.attention import (AttentionMetadata, AttentionBackend, TorchAttentionBackend, get_attention_backend, gather_kv,
-                                    paged_decode_attention, paged_prefill_attention, write_kv, plan_attention, attention_buckets)
+from hetero_infer.attention import (
+    AttentionMetadata,
+    AttentionBackend,
+    TorchAttentionBackend,
+    get_attention_backend,
+    gather_kv,
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv,
+    plan_attention,
+    attention_buckets,
+)
 
-TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}  # bf16: output rounding alone is up to 2^-8
+TOL = {
+    torch.float32: 1e-4,
+    torch.float16: 2e-3,
+    torch.bfloat16: 8e-3,
+}  # bf16: output rounding alone is up to 2^-8
 
-def rel_err(out, ref): return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+def rel_err(out, ref):
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
 
 def make_case(seq_lens, q_lens, bs, Hkv, g, D, dtype, seed=0, spare=3):
     """A NaN-filled cache with shuffled, non-contiguous block tables; each sequence's prefix (all but its last q_len
@@ -18,32 +38,58 @@ def make_case(seq_lens, q_lens, bs, Hkv, g, D, dtype, seed=0, spare=3):
     num_blocks = sum(nblocks) + spare
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, i = [], 0
-    for n in nblocks: tables.append(perm[i:i + n]); i += n
-    kc = torch.full((num_blocks, bs, Hkv, D), float('nan'), dtype=dtype); vc = kc.clone()
-    full = [(torch.randn(L, Hkv * g, D, generator=gen).to(dtype), torch.randn(L, Hkv, D, generator=gen).to(dtype),
-             torch.randn(L, Hkv, D, generator=gen).to(dtype)) for L in seq_lens]
+    for n in nblocks:
+        tables.append(perm[i : i + n])
+        i += n
+    kc = torch.full((num_blocks, bs, Hkv, D), float("nan"), dtype=dtype)
+    vc = kc.clone()
+    full = [
+        (
+            torch.randn(L, Hkv * g, D, generator=gen).to(dtype),
+            torch.randn(L, Hkv, D, generator=gen).to(dtype),
+            torch.randn(L, Hkv, D, generator=gen).to(dtype),
+        )
+        for L in seq_lens
+    ]
     for (q, k, v), L, n, bt in zip(full, seq_lens, q_lens, tables):
         pos = torch.arange(L - n)
-        write_kv(k[:L - n], v[:L - n], kc, vc, torch.tensor(bt, dtype=torch.long)[pos // bs] * bs + pos % bs)
+        write_kv(
+            k[: L - n],
+            v[: L - n],
+            kc,
+            vc,
+            torch.tensor(bt, dtype=torch.long)[pos // bs] * bs + pos % bs,
+        )
     meta = AttentionMetadata.build(seq_lens, q_lens, tables, bs)
-    q = torch.cat([f[0][L - n:] for f, L, n in zip(full, seq_lens, q_lens)])
-    k = torch.cat([f[1][L - n:] for f, L, n in zip(full, seq_lens, q_lens)])
-    v = torch.cat([f[2][L - n:] for f, L, n in zip(full, seq_lens, q_lens)])
+    q = torch.cat([f[0][L - n :] for f, L, n in zip(full, seq_lens, q_lens)])
+    k = torch.cat([f[1][L - n :] for f, L, n in zip(full, seq_lens, q_lens)])
+    v = torch.cat([f[2][L - n :] for f, L, n in zip(full, seq_lens, q_lens)])
     return kc, vc, meta, q, k, v, full
+
 
 def reference(full, seq_lens, q_lens, scale, window=None):
     "fp64 dense masked softmax over each contiguous sequence (causal, or the last `window` positions), keeping its last q_len rows."
     outs = []
     for (q, k, v), L, n in zip(full, seq_lens, q_lens):
         q, k, v = q.double(), k.double(), v.double()
-        k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)   # (L, Hq, D)
-        s = torch.einsum("qhd,khd->hqk", q, k) * scale                                    # (Hq, L, L)
+        k, v = (
+            k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+            v.repeat_interleave(q.shape[1] // v.shape[1], 1),
+        )  # (L, Hq, D)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale  # (Hq, L, L)
         i, j = torch.arange(L)[:, None], torch.arange(L)[None]
-        hide = (j > i) | ((j <= i - window) if window is not None else torch.zeros(L, L, dtype=torch.bool))
-        outs.append(torch.einsum("hqk,khd->qhd", s.masked_fill(hide, float("-inf")).softmax(-1), v)[L - n:])
+        hide = (j > i) | (
+            (j <= i - window) if window is not None else torch.zeros(L, L, dtype=torch.bool)
+        )
+        outs.append(
+            torch.einsum("hqk,khd->qhd", s.masked_fill(hide, float("-inf")).softmax(-1), v)[L - n :]
+        )
     return torch.cat(outs)
 
-def ragged_lens(bs): return [1, bs, bs + 1, 2 * bs, 3 * bs + 5, bs - 1]
+
+def ragged_lens(bs):
+    return [1, bs, bs + 1, 2 * bs, 3 * bs + 5, bs - 1]
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("g", [1, 4, 8])
@@ -51,11 +97,14 @@ def ragged_lens(bs): return [1, bs, bs + 1, 2 * bs, 3 * bs + 5, bs - 1]
 @pytest.mark.parametrize("bs", [8, 16, 32])
 def test_decode_sweep(bs, D, g, dtype):
     lens = ragged_lens(bs)
-    kc, vc, meta, q, k, v, full = make_case(lens, [1] * len(lens), bs, 2, g, D, dtype, seed=bs + D + g)
+    kc, vc, meta, q, k, v, full = make_case(
+        lens, [1] * len(lens), bs, 2, g, D, dtype, seed=bs + D + g
+    )
     write_kv(k, v, kc, vc, meta.slot_mapping)
-    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5)
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
-    assert rel_err(out, reference(full, lens, [1] * len(lens), D ** -0.5)) <= TOL[dtype]
+    assert rel_err(out, reference(full, lens, [1] * len(lens), D**-0.5)) <= TOL[dtype]
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("g", [1, 4, 8])
@@ -64,12 +113,22 @@ def test_decode_sweep(bs, D, g, dtype):
 def test_prefill_chunk_over_cached_prefix(bs, D, g, dtype):
     "Chunks after cached prefixes (chunked prefill / prefix-cache hits) equal those rows of full causal attention."
     lens = ragged_lens(bs)
-    qlens = [1, bs, 1, bs - 3, 2 * bs + 1, bs - 1]   # whole prompts, partial chunks, one-token chunks
+    qlens = [
+        1,
+        bs,
+        1,
+        bs - 3,
+        2 * bs + 1,
+        bs - 1,
+    ]  # whole prompts, partial chunks, one-token chunks
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, g, D, dtype, seed=bs * D * g)
     write_kv(k, v, kc, vc, meta.slot_mapping)
-    out = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D ** -0.5)
+    out = paged_prefill_attention(
+        q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D**-0.5
+    )
     assert out.dtype == dtype and out.shape == q.shape
-    assert rel_err(out, reference(full, lens, qlens, D ** -0.5)) <= TOL[dtype]
+    assert rel_err(out, reference(full, lens, qlens, D**-0.5)) <= TOL[dtype]
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_forward_mixed_step(dtype):
@@ -77,14 +136,19 @@ def test_forward_mixed_step(dtype):
     bs, D, lens, qlens = 16, 64, [1, 17, 33, 40, 16, 9], [1, 1, 1, 8, 16, 9]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 4, D, dtype, seed=7)
     assert meta.num_decodes == 3
-    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5)
-    assert rel_err(out, reference(full, lens, qlens, D ** -0.5)) <= TOL[dtype]
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D**-0.5)
+    assert rel_err(out, reference(full, lens, qlens, D**-0.5)) <= TOL[dtype]
     flat = kc.view(-1, 2, D)
     assert torch.equal(flat[meta.slot_mapping], k)
 
+
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 2 ** 16), st.sampled_from([8, 16]), st.sampled_from([1, 2, 4]),
-       st.lists(st.tuples(st.integers(1, 50), st.integers(0, 50)), min_size=1, max_size=5))
+@given(
+    st.integers(0, 2**16),
+    st.sampled_from([8, 16]),
+    st.sampled_from([1, 2, 4]),
+    st.lists(st.tuples(st.integers(1, 50), st.integers(0, 50)), min_size=1, max_size=5),
+)
 def test_forward_random_batches(seed, bs, g, specs):
     "Random ragged batches: any context, any chunk size, decodes sorted first."
     specs = sorted(((L, 1 + c % L) for L, c in specs), key=lambda s: s[1] != 1)
@@ -93,15 +157,22 @@ def test_forward_random_batches(seed, bs, g, specs):
     out = get_attention_backend("torch").forward(q, k, v, kc, vc, meta, 0.3)
     assert rel_err(out, reference(full, lens, qlens, 0.3)) <= 1e-4
 
+
 def test_nothing_outside_the_context_is_read():
     "NaN or garbage in every unused slot gives bit-identical outputs with no NaN."
     bs, D, lens, qlens = 8, 64, [3, 8, 9, 20], [1, 1, 5, 20]
-    kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 4, D, torch.float32, seed=3, spare=4)
+    kc, vc, meta, q, k, v, full = make_case(
+        lens, qlens, bs, 2, 4, D, torch.float32, seed=3, spare=4
+    )
     be = TorchAttentionBackend()
-    out_nan = be.forward(q, k, v, kc, vc, meta, D ** -0.5)
+    out_nan = be.forward(q, k, v, kc, vc, meta, D**-0.5)
     assert not out_nan.isnan().any()
-    kc2, vc2 = kc.nan_to_num(1e4), vc.nan_to_num(-1e4)   # same contexts, garbage instead of NaN elsewhere
-    assert torch.equal(be.forward(q, k, v, kc2, vc2, meta, D ** -0.5), out_nan)
+    kc2, vc2 = (
+        kc.nan_to_num(1e4),
+        vc.nan_to_num(-1e4),
+    )  # same contexts, garbage instead of NaN elsewhere
+    assert torch.equal(be.forward(q, k, v, kc2, vc2, meta, D**-0.5), out_nan)
+
 
 def test_write_kv_roundtrip_and_padding():
     bs, kc = 4, torch.zeros(5, 4, 2, 3)
@@ -109,63 +180,107 @@ def test_write_kv_roundtrip_and_padding():
     k, slots = torch.randn(6, 2, 3), torch.tensor([19, 0, -1, 7, 8, -1])
     write_kv(k, k * 2, kc, vc, slots)
     for i, s in enumerate(slots.tolist()):
-        if s >= 0: assert torch.equal(kc[s // bs, s % bs], k[i]) and torch.equal(vc[s // bs, s % bs], 2 * k[i])
+        if s >= 0:
+            assert torch.equal(kc[s // bs, s % bs], k[i]) and torch.equal(
+                vc[s // bs, s % bs], 2 * k[i]
+            )
     assert int((kc.abs().sum((-1, -2)) > 0).sum()) == 4
 
+
 def test_gather_kv_matches_block_tables():
-    c = torch.arange(40.).view(10, 4, 1, 1)
-    got = gather_kv(c, torch.tensor([[9, 2, 0], [4, 0, 0]], dtype=torch.int32), 9)[:, 0, :, 0]   # (S, L)
-    assert got[0].tolist() == [36, 37, 38, 39, 8, 9, 10, 11, 0] and got[1, :4].tolist() == [16, 17, 18, 19]
+    c = torch.arange(40.0).view(10, 4, 1, 1)
+    got = gather_kv(c, torch.tensor([[9, 2, 0], [4, 0, 0]], dtype=torch.int32), 9)[
+        :, 0, :, 0
+    ]  # (S, L)
+    assert got[0].tolist() == [36, 37, 38, 39, 8, 9, 10, 11, 0] and got[1, :4].tolist() == [
+        16,
+        17,
+        18,
+        19,
+    ]
+
 
 def test_metadata_build():
     m = AttentionMetadata.build([1, 5, 9], [1, 1, 4], [[3], [2, 7], [0, 4, 1]], 4)
     assert m.slot_mapping.tolist() == [12, 28, 17, 18, 19, 4]  # positions 0 | 4 | 5..8
-    assert m.slot_mapping.dtype == torch.int64 and m.seq_lens.dtype == m.query_start_loc.dtype == torch.int32
-    assert m.query_start_loc.tolist() == [0, 1, 2, 6] and m.block_tables.tolist() == [[3, 0, 0], [2, 7, 0], [0, 4, 1]]
+    assert (
+        m.slot_mapping.dtype == torch.int64
+        and m.seq_lens.dtype == m.query_start_loc.dtype == torch.int32
+    )
+    assert m.query_start_loc.tolist() == [0, 1, 2, 6] and m.block_tables.tolist() == [
+        [3, 0, 0],
+        [2, 7, 0],
+        [0, 4, 1],
+    ]
     assert (m.num_decodes, m.max_query_len, m.max_seq_len) == (2, 4, 9)
-    with pytest.raises(ValueError, match="query_lens"): AttentionMetadata.build([3], [4], [[0]], 4)
+    with pytest.raises(ValueError, match="query_lens"):
+        AttentionMetadata.build([3], [4], [[0]], 4)
+
 
 def test_other_head_dims_and_mqa():
     "The reference has no head_dim restriction; MQA (one KV head) works."
     for D in (32, 80):
         lens, qlens = [5, 13], [1, 6]
         kc, vc, meta, q, k, v, full = make_case(lens, qlens, 8, 1, 6, D, torch.float32, seed=D)
-        out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5)
-        assert rel_err(out, reference(full, lens, qlens, D ** -0.5)) <= 1e-4
+        out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D**-0.5)
+        assert rel_err(out, reference(full, lens, qlens, D**-0.5)) <= 1e-4
+
 
 def test_backend_selection():
     assert get_attention_backend(device="cpu").name == "torch"
     assert get_attention_backend("torch", device="cuda").name == "torch"
-    with pytest.raises(ValueError, match="name must be one of"): get_attention_backend("flash")
-    try: import hetero_infer.kernels as K; has_kernels = hasattr(K, "TritonAttentionBackend")
-    except ImportError: has_kernels = False
-    if has_kernels: assert get_attention_backend("triton", device="cpu").name == "triton"
+    with pytest.raises(ValueError, match="name must be one of"):
+        get_attention_backend("flash")
+    try:
+        import hetero_infer.kernels as K
+
+        has_kernels = hasattr(K, "TritonAttentionBackend")
+    except ImportError:
+        has_kernels = False
+    if has_kernels:
+        assert get_attention_backend("triton", device="cpu").name == "triton"
     else:
-        with pytest.raises(RuntimeError, match="'triton' is unavailable"): get_attention_backend("triton", device="cpu")
+        with pytest.raises(RuntimeError, match="'triton' is unavailable"):
+            get_attention_backend("triton", device="cpu")
+
 
 def test_import_does_not_import_triton():
-    import subprocess, sys
+    import subprocess
+    import sys
+
     code = "import sys, hetero_infer.attention; assert 'triton' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 # --- sliding windows, any head size, bounded padding ---------------------------------------------------
 
+
 @pytest.mark.parametrize("window", [1, 3, 8, 17, 100])
 @pytest.mark.parametrize("D", [80, 96, 112])
 def test_window_and_head_sizes_against_dense_masked_softmax(window, D):
     "Ragged decodes and chunks over cached prefixes, non-power-of-two head sizes, windows shorter and longer than contexts."
     bs, lens, qlens = 8, [1, 9, 30, 17, 41, 8], [1, 1, 1, 5, 13, 8]
-    kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 3, D, torch.float32, seed=window * D)
-    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5, window=window)
+    kc, vc, meta, q, k, v, full = make_case(
+        lens, qlens, bs, 2, 3, D, torch.float32, seed=window * D
+    )
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D**-0.5, window=window)
     assert not out.isnan().any()
-    assert rel_err(out, reference(full, lens, qlens, D ** -0.5, window)) <= 1e-4
-    base = AttentionBackend.forward(TorchAttentionBackend(), q, k, v, kc, vc, meta, D ** -0.5, window=window)   # decode/prefill split
-    assert rel_err(base, reference(full, lens, qlens, D ** -0.5, window)) <= 1e-4
+    assert rel_err(out, reference(full, lens, qlens, D**-0.5, window)) <= 1e-4
+    base = AttentionBackend.forward(
+        TorchAttentionBackend(), q, k, v, kc, vc, meta, D**-0.5, window=window
+    )  # decode/prefill split
+    assert rel_err(base, reference(full, lens, qlens, D**-0.5, window)) <= 1e-4
+
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2 ** 16), st.sampled_from([4, 16]), st.sampled_from([1, 2, 4]), st.sampled_from([None, 1, 2, 5, 16, 64]),
-       st.sampled_from([16, 40, 64]), st.lists(st.tuples(st.integers(1, 70), st.integers(0, 70)), min_size=1, max_size=7))
+@given(
+    st.integers(0, 2**16),
+    st.sampled_from([4, 16]),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([None, 1, 2, 5, 16, 64]),
+    st.sampled_from([16, 40, 64]),
+    st.lists(st.tuples(st.integers(1, 70), st.integers(0, 70)), min_size=1, max_size=7),
+)
 def test_random_batches_with_windows(seed, bs, g, window, D, specs):
     specs = sorted(((L, 1 + c % L) for L, c in specs), key=lambda s: s[1] != 1)
     lens, qlens = [s[0] for s in specs], [s[1] for s in specs]
@@ -173,35 +288,57 @@ def test_random_batches_with_windows(seed, bs, g, window, D, specs):
     out = get_attention_backend("torch").forward(q, k, v, kc, vc, meta, 0.3, window=window)
     assert rel_err(out, reference(full, lens, qlens, 0.3, window)) <= 1e-4
 
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_window_low_precision(dtype):
     bs, D, lens, qlens = 16, 64, [1, 17, 33, 40, 16, 9], [1, 1, 1, 8, 16, 9]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 4, D, dtype, seed=11)
-    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5, window=7)
-    assert out.dtype == dtype and rel_err(out, reference(full, lens, qlens, D ** -0.5, 7)) <= TOL[dtype]
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D**-0.5, window=7)
+    assert (
+        out.dtype == dtype and rel_err(out, reference(full, lens, qlens, D**-0.5, 7)) <= TOL[dtype]
+    )
+
 
 def test_window_reads_nothing_before_the_window():
     "With a window, keys before it are never gathered: NaN there changes nothing."
     bs, D, lens, qlens = 4, 32, [20, 13], [1, 3]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, 2, D, torch.float32, seed=5)
     write_kv(k, v, kc, vc, meta.slot_mapping)
-    ref = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D ** -0.5, window=4)
+    ref = paged_prefill_attention(
+        q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D**-0.5, window=4
+    )
     bt = meta.block_tables.long()
-    kc[bt[0, :3]] = float("nan"); vc[bt[0, :3]] = float("nan")      # positions 0..11 of the 20-token sequence: before its window 16..19
-    kc[bt[1, :1]] = float("nan"); vc[bt[1, :1]] = float("nan")      # positions 0..3 of the 13-token one: its queries 10..12 see 7..12
-    out = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D ** -0.5, window=4)
+    kc[bt[0, :3]] = float("nan")
+    vc[bt[0, :3]] = float(
+        "nan"
+    )  # positions 0..11 of the 20-token sequence: before its window 16..19
+    kc[bt[1, :1]] = float("nan")
+    vc[bt[1, :1]] = float("nan")  # positions 0..3 of the 13-token one: its queries 10..12 see 7..12
+    out = paged_prefill_attention(
+        q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D**-0.5, window=4
+    )
     assert torch.equal(out, ref)
+
 
 def test_decode_and_prefill_free_functions_take_window():
     bs, D, lens = 8, 32, [3, 12, 25]
     kc, vc, meta, q, k, v, full = make_case(lens, [1, 1, 1], bs, 2, 2, D, torch.float32, seed=2)
     write_kv(k, v, kc, vc, meta.slot_mapping)
-    d = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window=5)
-    p = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D ** -0.5, window=5)
-    assert torch.equal(d, p) and rel_err(d, reference(full, lens, [1, 1, 1], D ** -0.5, 5)) <= 1e-4
+    d = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D**-0.5, window=5)
+    p = paged_prefill_attention(
+        q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, D**-0.5, window=5
+    )
+    assert torch.equal(d, p) and rel_err(d, reference(full, lens, [1, 1, 1], D**-0.5, 5)) <= 1e-4
 
-@pytest.mark.parametrize("q_lens,keys", [([1] * 64, [16 + 15 * i for i in range(64)]), ([1900] + [8] * 100, [1900] + [8] * 100),
-                                         ([1] * 40 + [37, 512, 3], [100 + 20 * i for i in range(40)] + [37, 900, 50])])
+
+@pytest.mark.parametrize(
+    "q_lens,keys",
+    [
+        ([1] * 64, [16 + 15 * i for i in range(64)]),
+        ([1900] + [8] * 100, [1900] + [8] * 100),
+        ([1] * 40 + [37, 512, 3], [100 + 20 * i for i in range(40)] + [37, 900, 50]),
+    ],
+)
 def test_padding_is_bounded(q_lens, keys):
     "Padded query x key work of every bucket stays within 1.25x its own real work: no batch x longest blow-up."
     for g in attention_buckets(q_lens, keys):
@@ -209,18 +346,26 @@ def test_padding_is_bounded(q_lens, keys):
         assert padded <= 1.25 * sum(q_lens[i] * keys[i] for i in g)
     assert sorted(i for g in attention_buckets(q_lens, keys) for i in g) == list(range(len(q_lens)))
 
+
 def test_mixed_prefill_plan_is_small():
     "One 1,900-token prompt with 100 eight-token prompts: the plan gathers about the real keys and masks nothing large."
     lens = [1900] + [8] * 100
     nb = [-(-n // 16) for n in lens]
     tables, at = [], 0
-    for n in nb: tables.append(list(range(at, at + n))); at += n
+    for n in nb:
+        tables.append(list(range(at, at + n)))
+        at += n
     M = max(nb)
     bt = torch.tensor([t + [0] * (M - len(t)) for t in tables], dtype=torch.int32)
     plan = plan_attention(lens, lens, bt, 16)
-    assert sum(b.slots.numel() for b in plan) == sum(lens)                     # exactly the keys needed
-    assert all(b.mask is None for b in plan) and any(b.is_causal for b in plan) # fresh prompts: SDPA's own causal mask
+    assert sum(b.slots.numel() for b in plan) == sum(lens)  # exactly the keys needed
+    assert all(b.mask is None for b in plan) and any(
+        b.is_causal for b in plan
+    )  # fresh prompts: SDPA's own causal mask
+
 
 def test_plan_built_once_per_step():
     m = AttentionMetadata.build([5, 9], [1, 4], [[0, 1], [2, 3, 4]], 4)
-    assert m.attention_plan(4) is m.attention_plan(4) and m.attention_plan(4, 2) is not m.attention_plan(4)
+    assert m.attention_plan(4) is m.attention_plan(4) and m.attention_plan(
+        4, 2
+    ) is not m.attention_plan(4)

@@ -1,36 +1,66 @@
 """The benchmark tool: workload generator, statistics, JSON output, a tiny offline run against both transformers peers,
 the step-loop tracer and phase profiler, random-weight checkpoints, and `bench serve` against a real server."""
-import argparse, importlib.util, json, math
+
+import argparse
+import importlib.util
+import json
+import math
 import numpy as np
-import pytest, torch
+import pytest
+import torch
 from hypothesis import given, strategies as st
 
 from hetero_infer import bench
-from hetero_infer.bench import (Timing, percentile, measure, random_workload, fit_workload, poisson_arrivals, serve_metrics,
-                                RequestRecord, dummy_checkpoint, bench_engine, make_requests, trace_engine, step_breakdown,
-                                add_bench_arguments, bench_command, offline_bench, PHASES)
+from hetero_infer.bench import (
+    Timing,
+    percentile,
+    measure,
+    random_workload,
+    fit_workload,
+    poisson_arrivals,
+    serve_metrics,
+    RequestRecord,
+    dummy_checkpoint,
+    bench_engine,
+    make_requests,
+    trace_engine,
+    step_breakdown,
+    add_bench_arguments,
+    bench_command,
+    offline_bench,
+    PHASES,
+)
 from hetero_infer.demo import DEMO_MODEL_DIR
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="hetero-infer bench"); add_bench_arguments(ap); return ap
+    ap = argparse.ArgumentParser(prog="hetero-infer bench")
+    add_bench_arguments(ap)
+    return ap
 
 
 # ---- statistics and timing
+
 
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
 def test_percentile_matches_numpy(xs, p):
     assert math.isclose(percentile(xs, p), float(np.percentile(xs, p)), rel_tol=1e-9, abs_tol=1e-6)
 
+
 def test_percentile_rejects_bad_input():
-    with pytest.raises(ValueError, match="empty"): percentile([], 50)
-    with pytest.raises(ValueError, match="p must be"): percentile([1.0], 101)
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match="p must be"):
+        percentile([1.0], 101)
+
 
 def test_measure_warms_up_then_times_each_repeat():
     calls = []
     t = measure(lambda: calls.append(1), repeats=4, warmup=2)
     assert len(calls) == 6 and len(t.times) == 4 and all(x >= 0 for x in t.times)
-    with pytest.raises(ValueError, match="repeats"): measure(lambda: None, repeats=0)
+    with pytest.raises(ValueError, match="repeats"):
+        measure(lambda: None, repeats=0)
+
 
 def test_timing_median_and_spread():
     t = Timing([3.0, 1.0, 2.0, 10.0])
@@ -40,34 +70,58 @@ def test_timing_median_and_spread():
 
 # ---- workload
 
-@given(st.integers(1, 40), st.integers(1, 30), st.integers(0, 30), st.integers(1, 30), st.integers(0, 30), st.integers(0, 2**31))
+
+@given(
+    st.integers(1, 40),
+    st.integers(1, 30),
+    st.integers(0, 30),
+    st.integers(1, 30),
+    st.integers(0, 30),
+    st.integers(0, 2**31),
+)
 def test_workload_lengths_in_range_and_seeded(n, ilo, iw, olo, ow, seed):
     wl = random_workload(n, (ilo, ilo + iw), (olo, olo + ow), vocab_size=50, seed=seed)
     assert len(wl) == n
-    assert all(ilo <= len(p) <= ilo + iw for p in wl.prompts) and all(olo <= o <= olo + ow for o in wl.output_lens)
+    assert all(ilo <= len(p) <= ilo + iw for p in wl.prompts) and all(
+        olo <= o <= olo + ow for o in wl.output_lens
+    )
     assert all(3 <= t < 50 for p in wl.prompts for t in p)
     assert random_workload(n, (ilo, ilo + iw), (olo, olo + ow), vocab_size=50, seed=seed) == wl
-    assert [sp.max_tokens for sp in wl.params()] == wl.output_lens and all(sp.ignore_eos and sp.temperature == 0 for sp in wl.params())
+    assert [sp.max_tokens for sp in wl.params()] == wl.output_lens and all(
+        sp.ignore_eos and sp.temperature == 0 for sp in wl.params()
+    )
+
 
 def test_workload_spans_its_range():
     wl = random_workload(2000, (10, 20), (1, 5), vocab_size=100, seed=0)
-    assert {len(p) for p in wl.prompts} == set(range(10, 21)) and set(wl.output_lens) == set(range(1, 6))
-    assert random_workload(50, (10, 20), (1, 5), seed=1) != random_workload(50, (10, 20), (1, 5), seed=2)
+    assert {len(p) for p in wl.prompts} == set(range(10, 21)) and set(wl.output_lens) == set(
+        range(1, 6)
+    )
+    assert random_workload(50, (10, 20), (1, 5), seed=1) != random_workload(
+        50, (10, 20), (1, 5), seed=2
+    )
+
 
 @pytest.mark.parametrize("bad", [(0, 5), (5, 4), (1,), (1.5, 3)])
 def test_workload_rejects_bad_ranges(bad):
-    with pytest.raises(ValueError, match="input_len"): random_workload(3, bad, (1, 2))
+    with pytest.raises(ValueError, match="input_len"):
+        random_workload(3, bad, (1, 2))
+
 
 def test_fit_workload_scales_defaults_on_cpu_only():
     assert fit_workload(100_000, "cuda")[:3] == (256, (100, 1024), (100, 1024))
     n, i, o, note = fit_workload(64, "cpu")
     assert n == 64 and i[1] + o[1] <= 64 and "64 requests" in note
-    assert fit_workload(64, "cpu", 5, (2, 10), None)[2][1] <= 54         # the default fills the room the given one leaves
+    assert (
+        fit_workload(64, "cpu", 5, (2, 10), None)[2][1] <= 54
+    )  # the default fills the room the given one leaves
     assert fit_workload(64, "cpu", 5, (2, 10), (1, 4))[:3] == (5, (2, 10), (1, 4))
-    with pytest.raises(ValueError, match="max_model_len"): fit_workload(64, "cpu", 5, (2, 60), (1, 10))
+    with pytest.raises(ValueError, match="max_model_len"):
+        fit_workload(64, "cpu", 5, (2, 60), (1, 10))
 
 
 # ---- serving statistics
+
 
 def test_poisson_arrivals_rate_and_burst():
     arr = poisson_arrivals(5000, 10.0, seed=3)
@@ -75,37 +129,62 @@ def test_poisson_arrivals_rate_and_burst():
     assert poisson_arrivals(4, math.inf) == [0.0] * 4
     assert poisson_arrivals(50, 2.0, seed=1) == poisson_arrivals(50, 2.0, seed=1)
 
+
 def test_serve_metrics_percentiles_and_goodput():
-    recs = [RequestRecord(4, 3, sent=0.0, token_times=[0.1 * (k + 1), 0.1 * (k + 1) + 0.05, 0.1 * (k + 1) + 0.1], output_len=3) for k in range(10)]
-    m = serve_metrics(recs + [RequestRecord(4, 3, error="HTTP 503: full")], duration=2.0, slo_ttft_ms=500, slo_tpot_ms=60)
+    recs = [
+        RequestRecord(
+            4,
+            3,
+            sent=0.0,
+            token_times=[0.1 * (k + 1), 0.1 * (k + 1) + 0.05, 0.1 * (k + 1) + 0.1],
+            output_len=3,
+        )
+        for k in range(10)
+    ]
+    m = serve_metrics(
+        recs + [RequestRecord(4, 3, error="HTTP 503: full")],
+        duration=2.0,
+        slo_ttft_ms=500,
+        slo_tpot_ms=60,
+    )
     assert (m["completed"], m["failed"]) == (10, 1)
     assert m["ttft"]["p50_ms"] == pytest.approx(550) and m["ttft"]["p99_ms"] == pytest.approx(991)
     assert m["tpot"]["p50_ms"] == pytest.approx(50) and m["itl"]["p90_ms"] == pytest.approx(50)
-    assert m["goodput"] == pytest.approx(5 / 2.0)              # the 5 requests with TTFT <= 500 ms
+    assert m["goodput"] == pytest.approx(5 / 2.0)  # the 5 requests with TTFT <= 500 ms
     assert m["output_throughput"] == pytest.approx(15.0) and m["errors"] == ["HTTP 503: full"]
 
 
 # ---- random-weight checkpoints
 
+
 def test_dummy_checkpoint_loads_in_ours_and_transformers(tmp_path):
     import transformers
     from hetero_infer.model import load_model
+
     path = dummy_checkpoint("tiny-llama", tmp_path / "m", dtype="float32")
     ours = load_model(path, "float32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     q, k, v = (hf.model.layers[1].self_attn.__getattr__(f"{x}_proj").weight for x in "qkv")
     assert torch.equal(ours.layers[1].self_attn.qkv_proj.weight, torch.cat([q, k, v]))
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 2
-    with pytest.raises(ValueError, match="dummy config"): dummy_checkpoint("nope")
+    with pytest.raises(ValueError, match="dummy config"):
+        dummy_checkpoint("nope")
+
 
 @pytest.mark.parametrize("name", sorted(bench.DUMMY_CONFIGS))
 def test_public_configs_parse(name):
     from hetero_infer.model import parse_config
+
     c = parse_config(bench.DUMMY_CONFIGS[name])
-    assert c.num_layers >= 2 and c.num_heads % c.num_kv_heads == 0 and c.head_dim * c.num_heads >= c.hidden_size // 2
+    assert (
+        c.num_layers >= 2
+        and c.num_heads % c.num_kv_heads == 0
+        and c.head_dim * c.num_heads >= c.hidden_size // 2
+    )
 
 
 # ---- offline benchmark end to end
+
 
 def test_offline_bench_all_peers_tiny():
     wl = random_workload(8, (3, 12), (2, 9), vocab_size=297, seed=4)
@@ -120,15 +199,43 @@ def test_offline_bench_all_peers_tiny():
     assert res["machine"]["torch_threads"] == torch.get_num_threads()
     assert "ours/this" in bench.format_offline(res)
 
+
 def test_offline_command_writes_json(tmp_path, capsys):
     out = tmp_path / "r.json"
-    args = parser().parse_args(["offline", "--num-requests", "5", "--input-len", "2,8", "--output-len", "1,5", "--max-num-seqs", "2",
-                                "--repeats", "2", "--warmup", "0", "--peers", "hf-static", "--threads", "1", "--output", str(out)])
-    args.argv = ["offline", "--num-requests", "5"]          # as `python -m hetero_infer.bench` passes them
+    args = parser().parse_args(
+        [
+            "offline",
+            "--num-requests",
+            "5",
+            "--input-len",
+            "2,8",
+            "--output-len",
+            "1,5",
+            "--max-num-seqs",
+            "2",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--peers",
+            "hf-static",
+            "--threads",
+            "1",
+            "--output",
+            str(out),
+        ]
+    )
+    args.argv = ["offline", "--num-requests", "5"]  # as `python -m hetero_infer.bench` passes them
     assert bench_command(args) == 0
     res = json.loads(out.read_text())
-    assert res["benchmark"] == "offline" and res["workload"]["num_requests"] == 5 and res["config"]["max_num_seqs"] == 2
-    assert [r["key"] for r in res["results"]] == ["ours", "hf-static"] and len(res["results"][0]["timing"]["times_s"]) == 2
+    assert (
+        res["benchmark"] == "offline"
+        and res["workload"]["num_requests"] == 5
+        and res["config"]["max_num_seqs"] == 2
+    )
+    assert [r["key"] for r in res["results"]] == ["ours", "hf-static"] and len(
+        res["results"][0]["timing"]["times_s"]
+    ) == 2
     assert "threads: 1" in capsys.readouterr().out
     assert res["command"] == "hetero-infer bench offline --num-requests 5"
 
@@ -136,30 +243,52 @@ def test_offline_command_writes_json(tmp_path, capsys):
 def test_offline_bench_times_the_systems_in_turns(monkeypatch):
     "Warm-ups first, then ours, theirs, ours, theirs, ...: a load spike on a shared machine lands on every system, not on one."
     order = []
+
     def traced(name, make):
         def make_traced(*a, **k):
             run = make(*a, **k)
-            def go(): order.append(name); run()
+
+            def go():
+                order.append(name)
+                run()
+
             return go
+
         return make_traced
+
     monkeypatch.setattr(bench, "ours_job", traced("ours", bench.ours_job))
     monkeypatch.setattr(bench, "hf_static_job", traced("hf-static", bench.hf_static_job))
     monkeypatch.setattr(bench, "hf_cb_job", traced("hf-cb", bench.hf_cb_job))
     wl = random_workload(4, (3, 8), (2, 4), vocab_size=297, seed=1)
-    res = offline_bench(DEMO_MODEL_DIR, wl, max_num_seqs=2, repeats=3, warmup=1, peers=("hf-static", "hf-cb"), log=lambda s: None)
+    res = offline_bench(
+        DEMO_MODEL_DIR,
+        wl,
+        max_num_seqs=2,
+        repeats=3,
+        warmup=1,
+        peers=("hf-static", "hf-cb"),
+        log=lambda s: None,
+    )
     assert order == ["ours", "hf-static", "hf-cb"] * 4
     assert [r["key"] for r in res["results"]] == ["ours", "hf-static", "hf-cb"]
     assert all(len(r["timing"]["times_s"]) == 3 for r in res["results"])
 
-@pytest.mark.parametrize("argv, field", [(["offline", "--input-len", "3,100", "--output-len", "1,8"], "max_model_len"),
-                                         (["offline", "--peers", "vllm", "--num-requests", "2"], "peers"),
-                                         (["offline", "--repeats", "0"], "--repeats"),
-                                         (["offline", "--model", "x", "--dummy-config", "tiny-llama"], "--dummy-config"),
-                                         (["serve", "--rates", "0,1"], "--rates")])
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["offline", "--input-len", "3,100", "--output-len", "1,8"], "max_model_len"),
+        (["offline", "--peers", "vllm", "--num-requests", "2"], "peers"),
+        (["offline", "--repeats", "0"], "--repeats"),
+        (["offline", "--model", "x", "--dummy-config", "tiny-llama"], "--dummy-config"),
+        (["serve", "--rates", "0,1"], "--rates"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_field(argv, field, capsys):
     assert bench_command(parser().parse_args(argv)) == 2
     err = capsys.readouterr().err
     assert err.startswith("hetero-infer: error:") and field in err
+
 
 def test_help_documents_every_option():
     "Every option of `bench offline` and `bench serve` has help that shows its default, and its choices when it has some."
@@ -167,12 +296,19 @@ def test_help_documents_every_option():
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
     for name, p in sub.choices.items():
         for a in p._actions:
-            if not a.option_strings or a.dest == "help": continue
-            assert a.help and ("(default" in a.help or "; default" in a.help), f"{name} {a.option_strings}: {a.help!r}"
-            if a.choices: assert all(str(c) in a.help for c in a.choices), f"{name} {a.option_strings}: {a.help!r}"
+            if not a.option_strings or a.dest == "help":
+                continue
+            assert a.help and ("(default" in a.help or "; default" in a.help), (
+                f"{name} {a.option_strings}: {a.help!r}"
+            )
+            if a.choices:
+                assert all(str(c) in a.help for c in a.choices), (
+                    f"{name} {a.option_strings}: {a.help!r}"
+                )
 
 
 # ---- step-loop tracer and phase profiler
+
 
 def test_trace_engine_times_every_token_and_respects_arrivals():
     eng = bench_engine(max_num_seqs=3)
@@ -180,18 +316,36 @@ def test_trace_engine_times_every_token_and_respects_arrivals():
     tr = trace_engine(eng, make_requests(wl, [0, 0, 0, 0.02, 0.04]))
     assert [len(tr.token_times[f"r{i}"]) for i in range(5)] == wl.output_lens
     assert all(t >= 0.04 for t in tr.token_times["r4"]) and len(tr.ttfts()) == 5
-    assert sum(s.num_tokens for s in tr.steps) == wl.num_input_tokens + wl.num_output_tokens - len(wl)
+    assert sum(s.num_tokens for s in tr.steps) == wl.num_input_tokens + wl.num_output_tokens - len(
+        wl
+    )
     s = tr.summary()
-    assert s["throughput_tok_s"] > 0 and s["itl_p99_ms"] >= s["itl_p50_ms"] and 0 <= s["kv_waste_share"] < 1
+    assert (
+        s["throughput_tok_s"] > 0
+        and s["itl_p99_ms"] >= s["itl_p50_ms"]
+        and 0 <= s["kv_waste_share"] < 1
+    )
+
 
 def test_step_breakdown_phases_sum_to_the_step_and_unwrap():
     eng = bench_engine(max_num_seqs=8)
     bd = step_breakdown(eng, 5, 8, steps=3)
     assert set(bd) == set(PHASES) | {"total"}
     assert sum(bd[p] for p in PHASES) == pytest.approx(bd["total"])
-    assert all(bd[p] >= 0 for p in PHASES if p != "other") and bd["forward"] > 0 and bd["detokenize"] > 0
-    assert not {"step", "_output", "_track"} & set(vars(eng)) and type(eng.sampler).__name__ == "Sampler"
-    assert "forward" not in vars(eng.runner.model) and "prepare" not in vars(eng.runner) and "schedule" not in vars(eng.scheduler)
+    assert (
+        all(bd[p] >= 0 for p in PHASES if p != "other")
+        and bd["forward"] > 0
+        and bd["detokenize"] > 0
+    )
+    assert (
+        not {"step", "_output", "_track"} & set(vars(eng))
+        and type(eng.sampler).__name__ == "Sampler"
+    )
+    assert (
+        "forward" not in vars(eng.runner.model)
+        and "prepare" not in vars(eng.runner)
+        and "schedule" not in vars(eng.scheduler)
+    )
     assert not eng.has_unfinished_requests()
     # the engine still works after profiling
     wl = random_workload(2, (3, 5), (2, 3), vocab_size=297, seed=1)
@@ -201,22 +355,51 @@ def test_step_breakdown_phases_sum_to_the_step_and_unwrap():
 
 # ---- serve benchmark against a real server
 
-@pytest.mark.skipif(importlib.util.find_spec("hetero_infer.server") is None,
-                    reason="hetero_infer.server is not built yet (09_server): bench serve needs a real server")
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hetero_infer.server") is None,
+    reason="hetero_infer.server is not built yet (09_server): bench serve needs a real server",
+)
 def test_serve_bench_against_real_server(tmp_path, capsys):
     "`hetero-infer bench serve` starting its own server: every request served, the command stored, and a header that says where the server ran."
     out = tmp_path / "serve.json"
-    args = parser().parse_args(["serve", "--num-requests", "6", "--input-len", "3,12", "--output-len", "2,6", "--seed", "2", "--rates", "20",
-                                "--output", str(out)])
+    args = parser().parse_args(
+        [
+            "serve",
+            "--num-requests",
+            "6",
+            "--input-len",
+            "3,12",
+            "--output-len",
+            "2,6",
+            "--seed",
+            "2",
+            "--rates",
+            "20",
+            "--output",
+            str(out),
+        ]
+    )
     args.argv = ["serve", "--num-requests", "6", "--rates", "20"]
     assert bench_command(args) == 0
     printed, res = capsys.readouterr().out, json.loads(out.read_text())
-    assert res["command"] == "hetero-infer bench serve --num-requests 6 --rates 20" and res["started_here"] and res["url"].startswith("http://127.0.0.1:")
-    assert f"model: hetero-infer, served by `hetero-infer serve --model {DEMO_MODEL_DIR.name}` started by this benchmark;" in printed
-    assert res["serve_args"] == ["--model", str(DEMO_MODEL_DIR)] and str(DEMO_MODEL_DIR) not in printed   # the JSON keeps the path, the log names the directory
+    assert (
+        res["command"] == "hetero-infer bench serve --num-requests 6 --rates 20"
+        and res["started_here"]
+        and res["url"].startswith("http://127.0.0.1:")
+    )
+    assert (
+        f"model: hetero-infer, served by `hetero-infer serve --model {DEMO_MODEL_DIR.name}` started by this benchmark;"
+        in printed
+    )
+    assert (
+        res["serve_args"] == ["--model", str(DEMO_MODEL_DIR)] and str(DEMO_MODEL_DIR) not in printed
+    )  # the JSON keeps the path, the log names the directory
     assert "(started here)" not in printed
     assert [r["rate"] for r in res["runs"]] == [20.0, "burst"]
     for r in res["runs"]:
         assert r["completed"] == 6 and r["failed"] == 0, r["errors"]
-        assert r["output_throughput"] == pytest.approx(res["workload"]["output_tokens"] / r["duration_s"])
+        assert r["output_throughput"] == pytest.approx(
+            res["workload"]["output_tokens"] / r["duration_s"]
+        )
         assert 0 < r["ttft"]["p50_ms"] <= r["ttft"]["p99_ms"] <= r["e2e"]["p99_ms"]

@@ -1,19 +1,49 @@
 """`hetero-infer` from a shell: every bad input exits 2 with one line `hetero-infer: error: <flag>: ...` (no traceback), every flag has
 help with its default, the seed project's spellings and config file work, and `generate` / `serve` resolve their options."""
-import argparse, json, os, socket, subprocess, sys
-import pytest, torch
-from hetero_infer.cli import build_parser, main, seed_argv, serve_options, engine_config, ENGINE_FLAGS
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import pytest
+import torch
+from hetero_infer.cli import (
+    build_parser,
+    main,
+    seed_argv,
+    serve_options,
+    engine_config,
+    ENGINE_FLAGS,
+)
 from hetero_infer.demo import DEMO_MODEL_DIR
 
-SEED_CONFIG = {"block_size": 16, "max_num_blocks": 1024, "max_batch_size": 32, "max_num_seqs": 256, "max_model_len": 2048,
-               "max_total_tokens": 4096, "memory_threshold": 0.9, "max_retry_attempts": 2, "tokenizer": {"kind": "simple", "path": None},
-               "serving": {"host": "127.0.0.1", "port": 3000, "model_name": "hetero-infer", "backend": {"kind": "local_engine", "command": None}}}
+SEED_CONFIG = {
+    "block_size": 16,
+    "max_num_blocks": 1024,
+    "max_batch_size": 32,
+    "max_num_seqs": 256,
+    "max_model_len": 2048,
+    "max_total_tokens": 4096,
+    "memory_threshold": 0.9,
+    "max_retry_attempts": 2,
+    "tokenizer": {"kind": "simple", "path": None},
+    "serving": {
+        "host": "127.0.0.1",
+        "port": 3000,
+        "model_name": "hetero-infer",
+        "backend": {"kind": "local_engine", "command": None},
+    },
+}
 
 
 def run_main(capsys, *argv):
     "Exit status and stderr of `hetero-infer argv...` run in-process (argparse errors exit via SystemExit)."
-    try: code = main(list(argv))
-    except SystemExit as e: code = e.code
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return code, err
@@ -25,21 +55,28 @@ def error_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, flag, words", [
-    (["generate", "x", "--model", "/nonexistent/model"], "--model", "no such directory"),
-    (["serve", "--model", "/nonexistent/model"], "--model", "no such directory"),
-    (["generate", "x", "--model", "Qwen/Qwen3-0.6B"], "--model", "huggingface-cli download Qwen/Qwen3-0.6B"),
-    (["generate", "x", "--config", "/nonexistent.json"], "--config", "no such file"),
-    (["serve", "--config", "/nonexistent.json"], "--config", "no such file"),
-    (["generate", "x", "--block-size", "3"], "--block-size", "power of two"),
-    (["generate", "x", "--max-tokens", "0"], "--max-tokens", "max_tokens"),
-    (["generate", "x", "--temperature", "-1"], "--temperature", "temperature"),
-    (["generate", "x", "--memory-threshold", "2"], "--memory-threshold", "memory_threshold"),
-    (["serve", "--port", "70000"], "--port", "65535"),
-    (["serve", "--top-p", "0"], "--top-p", "top_p"),
-    (["serve", "--request-timeout", "0"], "--request-timeout", "> 0"),
-    (["generate", "x", "--tokenizer", "/nonexistent/tok"], "--tokenizer", "no such directory"),
-])
+@pytest.mark.parametrize(
+    "argv, flag, words",
+    [
+        (["generate", "x", "--model", "/nonexistent/model"], "--model", "no such directory"),
+        (["serve", "--model", "/nonexistent/model"], "--model", "no such directory"),
+        (
+            ["generate", "x", "--model", "Qwen/Qwen3-0.6B"],
+            "--model",
+            "huggingface-cli download Qwen/Qwen3-0.6B",
+        ),
+        (["generate", "x", "--config", "/nonexistent.json"], "--config", "no such file"),
+        (["serve", "--config", "/nonexistent.json"], "--config", "no such file"),
+        (["generate", "x", "--block-size", "3"], "--block-size", "power of two"),
+        (["generate", "x", "--max-tokens", "0"], "--max-tokens", "max_tokens"),
+        (["generate", "x", "--temperature", "-1"], "--temperature", "temperature"),
+        (["generate", "x", "--memory-threshold", "2"], "--memory-threshold", "memory_threshold"),
+        (["serve", "--port", "70000"], "--port", "65535"),
+        (["serve", "--top-p", "0"], "--top-p", "top_p"),
+        (["serve", "--request-timeout", "0"], "--request-timeout", "> 0"),
+        (["generate", "x", "--tokenizer", "/nonexistent/tok"], "--tokenizer", "no such directory"),
+    ],
+)
 def test_bad_inputs_exit_2_naming_the_flag(capsys, argv, flag, words):
     code, err = run_main(capsys, *argv)
     line = error_line(err)
@@ -60,7 +97,11 @@ def test_model_dir_without_config(capsys, tmp_path):
 def test_malformed_config(capsys, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     code, err = run_main(capsys, "generate", "x", "--config", str(tmp_path / "bad.json"))
-    assert code == 2 and error_line(err).startswith("hetero-infer: error: --config:") and "not valid JSON" in err
+    assert (
+        code == 2
+        and error_line(err).startswith("hetero-infer: error: --config:")
+        and "not valid JSON" in err
+    )
     (tmp_path / "unknown.json").write_text(json.dumps({"no_such_key": 1}))
     code, err = run_main(capsys, "serve", "--config", str(tmp_path / "unknown.json"))
     assert code == 2 and "no_such_key" in error_line(err)
@@ -69,30 +110,62 @@ def test_malformed_config(capsys, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda(capsys):
     code, err = run_main(capsys, "generate", "x", "--device", "cuda")
-    assert code == 2 and error_line(err).startswith("hetero-infer: error: --device: cuda") and "--device cpu" in err
+    assert (
+        code == 2
+        and error_line(err).startswith("hetero-infer: error: --device: cuda")
+        and "--device cpu" in err
+    )
 
 
 def run_cli_subprocess(argv, block_triton=False, env=None, timeout=300):
     "Exit status and stderr of `hetero-infer argv...` in a fresh interpreter (env values of None unset a variable)."
-    code = ("import json, sys\n" + ("sys.modules['triton'] = None   # as if triton were not installed: `import triton` raises ImportError\n" if block_triton else "")
-            + "from hetero_infer.cli import main\nsys.exit(main(json.loads(sys.argv[1])))")
-    env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items() if v is not None}
-    r = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, timeout=timeout, env=env)
+    code = (
+        "import json, sys\n"
+        + (
+            "sys.modules['triton'] = None   # as if triton were not installed: `import triton` raises ImportError\n"
+            if block_triton
+            else ""
+        )
+        + "from hetero_infer.cli import main\nsys.exit(main(json.loads(sys.argv[1])))"
+    )
+    env = {
+        k: v
+        for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items()
+        if v is not None
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert "Traceback" not in r.stderr, r.stderr
     return r.returncode, r.stderr
 
 
-def _triton_modules(): return {k: v for k, v in sys.modules.items() if k == "triton" or k.startswith("triton.")}
+def _triton_modules():
+    return {k: v for k, v in sys.modules.items() if k == "triton" or k.startswith("triton.")}
 
 
 def test_triton_backend_where_it_cannot_run():
     """Hiding triton, or importing it without TRITON_INTERPRET, happens in subprocesses: done here it left `triton.*` modules behind
     that broke later tests (e.g. tests/test_engine.py::test_prompt_longer_than_max_model_len)."""
     before = _triton_modules()
-    code, err = run_cli_subprocess(["generate", "x", "--attention-backend", "triton", "--device", "cpu"], block_triton=True)
-    assert code == 2 and error_line(err).startswith("hetero-infer: error: --attention-backend: triton is not installed") and "--attention-backend torch" in err
+    code, err = run_cli_subprocess(
+        ["generate", "x", "--attention-backend", "triton", "--device", "cpu"], block_triton=True
+    )
+    assert (
+        code == 2
+        and error_line(err).startswith(
+            "hetero-infer: error: --attention-backend: triton is not installed"
+        )
+        and "--attention-backend torch" in err
+    )
     if not torch.cuda.is_available():
-        code, err = run_cli_subprocess(["generate", "x", "--attention-backend", "triton"], env={"TRITON_INTERPRET": None})
+        code, err = run_cli_subprocess(
+            ["generate", "x", "--attention-backend", "triton"], env={"TRITON_INTERPRET": None}
+        )
         assert code == 2 and "needs a CUDA device" in error_line(err)
     after = _triton_modules()
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
@@ -101,33 +174,66 @@ def test_triton_backend_where_it_cannot_run():
 def test_a_bad_value_from_the_config_names_the_config(capsys, tmp_path):
     """The seed's config (max_model_len 2048) on the demo model (64 positions): the error names --config and the key, not a flag the user never
     gave; the same value as a flag names the flag; the flag overrides the file."""
-    cfg = tmp_path / "config.json"; cfg.write_text(json.dumps(SEED_CONFIG))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SEED_CONFIG))
     code, err = run_main(capsys, "generate", "x", "--config", str(cfg))
     line = error_line(err)
-    assert code == 2 and line.startswith(f"hetero-infer: error: --config: {cfg} sets 'max_model_len'") and "limit of 64" in line, line
+    assert (
+        code == 2
+        and line.startswith(f"hetero-infer: error: --config: {cfg} sets 'max_model_len'")
+        and "limit of 64" in line
+    ), line
     code, err = run_main(capsys, "generate", "x", "--max-model-len", "2048")
-    assert code == 2 and error_line(err).startswith("hetero-infer: error: --max-model-len: max_model_len (2048)")
-    assert main(["generate", "--chat", "reverse: a b c", "--config", str(cfg), "--max-model-len", "64", "--max-tokens", "8"]) == 0
+    assert code == 2 and error_line(err).startswith(
+        "hetero-infer: error: --max-model-len: max_model_len (2048)"
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "--chat",
+                "reverse: a b c",
+                "--config",
+                str(cfg),
+                "--max-model-len",
+                "64",
+                "--max-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert "'reverse: a b c' -> 'c b a'" in capsys.readouterr().out
 
 
 def test_serve_with_the_seed_config_names_the_config(tmp_path):
     "The seed's own command, `hetero-infer --serve --config config.json`, on the demo model: exit 2 naming --config and the key."
-    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    cfg = tmp_path / "config.json"; cfg.write_text(json.dumps(dict(SEED_CONFIG, serving=dict(SEED_CONFIG["serving"], port=port))))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(SEED_CONFIG, serving=dict(SEED_CONFIG["serving"], port=port))))
     code, err = run_cli_subprocess(["--serve", "--config", str(cfg)], timeout=120)
-    assert code == 2 and error_line(err).startswith(f"hetero-infer: error: --config: {cfg} sets 'max_model_len'"), err
+    assert code == 2 and error_line(err).startswith(
+        f"hetero-infer: error: --config: {cfg} sets 'max_model_len'"
+    ), err
 
 
 def test_argparse_errors_use_our_format(capsys):
-    for argv in (["generate", "--bogus"], ["serve", "--port", "abc"], ["generate", "--dtype", "int3"], []):
+    for argv in (
+        ["generate", "--bogus"],
+        ["serve", "--port", "abc"],
+        ["generate", "--dtype", "int3"],
+        [],
+    ):
         code, err = run_main(capsys, *argv)
         assert code == 2 and error_line(err), (argv, err)
 
 
 def test_busy_port_is_refused_before_loading(capsys):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); s.listen(1)
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
         code, err = run_main(capsys, "serve", "--port", str(s.getsockname()[1]))
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --port: cannot listen")
 
@@ -142,24 +248,49 @@ def test_every_flag_has_help_with_its_default():
     "generate, serve, demo and bench offline/serve: every option's help shows its default, and its choices when it has some."
     _, subs = all_parsers()
     parsers = {name: subs[name] for name in ("generate", "serve", "demo")}
-    bench = next(a for a in subs["bench"]._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bench = next(
+        a for a in subs["bench"]._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
     parsers.update({f"bench {name}": p for name, p in bench.items()})
     assert {"bench offline", "bench serve"} <= set(parsers)
     for name, p in parsers.items():
         for a in p._actions:
-            if a.help == argparse.SUPPRESS or isinstance(a, argparse._HelpAction) or not a.option_strings: continue
+            if (
+                a.help == argparse.SUPPRESS
+                or isinstance(a, argparse._HelpAction)
+                or not a.option_strings
+            ):
+                continue
             assert a.help and "default" in a.help, (name, a.option_strings, a.help)
-            if a.choices: assert all(str(c) in p.format_help() for c in a.choices), (name, a.option_strings)
+            if a.choices:
+                assert all(str(c) in p.format_help() for c in a.choices), (name, a.option_strings)
 
 
 def test_help_is_complete(capsys):
     for argv in (["--help"], ["serve", "--help"], ["generate", "--help"]):
         code, _ = 0, None
-        with pytest.raises(SystemExit) as e: main(argv)
+        with pytest.raises(SystemExit) as e:
+            main(argv)
         assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--served-model-name", "--api-key", "--config", "--max-num-blocks", "--max-batch-size", "--max-total-tokens",
-                 "--memory-threshold", "--max-tokens", "--temperature", "--top-p", "--max-queued-requests", "--request-timeout", "--input", "--serve"):
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--api-key",
+        "--config",
+        "--max-num-blocks",
+        "--max-batch-size",
+        "--max-total-tokens",
+        "--memory-threshold",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--max-queued-requests",
+        "--request-timeout",
+        "--input",
+        "--serve",
+    ):
         assert flag in out, flag
 
 
@@ -168,13 +299,43 @@ def test_engine_flags_cover_generate_and_serve():
     for field, (flags, *_) in ENGINE_FLAGS.items():
         for name in ("generate", "serve"):
             opts = subs[name]._option_string_actions
-            assert all(f in opts for f in flags) or field not in {f.name for f in __import__("dataclasses").fields(__import__("hetero_infer.core").core.EngineConfig)}, (field, name)
+            assert all(f in opts for f in flags) or field not in {
+                f.name
+                for f in __import__("dataclasses").fields(
+                    __import__("hetero_infer.core").core.EngineConfig
+                )
+            }, (field, name)
 
 
 def test_seed_spellings():
-    a = build_parser().parse_args(seed_argv(["--serve", "--max-num-blocks", "64", "--max-batch-size", "4", "--max-total-tokens", "512",
-                                             "--memory-threshold", "0.8", "--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9"]))
-    assert (a.command, a.num_blocks, a.max_num_seqs, a.max_num_batched_tokens, a.memory_threshold) == ("serve", 64, 4, 512, 0.8)
+    a = build_parser().parse_args(
+        seed_argv(
+            [
+                "--serve",
+                "--max-num-blocks",
+                "64",
+                "--max-batch-size",
+                "4",
+                "--max-total-tokens",
+                "512",
+                "--memory-threshold",
+                "0.8",
+                "--max-tokens",
+                "7",
+                "--temperature",
+                "0.5",
+                "--top-p",
+                "0.9",
+            ]
+        )
+    )
+    assert (
+        a.command,
+        a.num_blocks,
+        a.max_num_seqs,
+        a.max_num_batched_tokens,
+        a.memory_threshold,
+    ) == ("serve", 64, 4, 512, 0.8)
     o = serve_options(a)
     assert o["default_sampling"] == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9}
     a = build_parser().parse_args(seed_argv(["--input", "hello", "--max-tokens", "3"]))
@@ -184,27 +345,72 @@ def test_seed_spellings():
 def test_serve_defaults_and_the_seed_config(tmp_path, monkeypatch):
     monkeypatch.delenv("HETERO_INFER_API_KEY", raising=False)
     o = serve_options(build_parser().parse_args(["serve"]))
-    assert (o["host"], o["port"], o["served_model_name"], o["api_key"]) == ("127.0.0.1", 3000, "hetero-infer", None)
+    assert (o["host"], o["port"], o["served_model_name"], o["api_key"]) == (
+        "127.0.0.1",
+        3000,
+        "hetero-infer",
+        None,
+    )
     monkeypatch.setenv("HETERO_INFER_API_KEY", "k1")
     assert serve_options(build_parser().parse_args(["serve"]))["api_key"] == "k1"
     assert serve_options(build_parser().parse_args(["serve", "--api-key", "k2"]))["api_key"] == "k2"
-    cfg = dict(SEED_CONFIG, serving=dict(SEED_CONFIG["serving"], port=3111, model_name="seed-model", host="127.0.0.2"))
+    cfg = dict(
+        SEED_CONFIG,
+        serving=dict(SEED_CONFIG["serving"], port=3111, model_name="seed-model", host="127.0.0.2"),
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     a = build_parser().parse_args(seed_argv(["--serve", "--config", str(tmp_path / "config.json")]))
     o, c = serve_options(a), engine_config(a)
     assert (o["host"], o["port"], o["served_model_name"]) == ("127.0.0.2", 3111, "seed-model")
-    assert (c.num_blocks, c.max_num_seqs, c.max_num_batched_tokens, c.memory_threshold) == (1024, 32, 4096, 0.9)
-    a = build_parser().parse_args(["serve", "--config", str(tmp_path / "config.json"), "--port", "4000", "--max-batch-size", "8"])
+    assert (c.num_blocks, c.max_num_seqs, c.max_num_batched_tokens, c.memory_threshold) == (
+        1024,
+        32,
+        4096,
+        0.9,
+    )
+    a = build_parser().parse_args(
+        [
+            "serve",
+            "--config",
+            str(tmp_path / "config.json"),
+            "--port",
+            "4000",
+            "--max-batch-size",
+            "8",
+        ]
+    )
     assert (serve_options(a)["port"], engine_config(a).max_num_seqs) == (4000, 8)
 
 
 def test_generate_on_the_demo_model_through_the_console_script():
     "The real command in a subprocess: the seed's `--input` form, with the chat template the demo model needs."
     exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-c", "import sys; from hetero_infer.cli import main; sys.exit(main())"]
-    r = subprocess.run(cmd + ["--input", "reverse: a b c", "--chat", "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = (
+        [exe]
+        if os.path.exists(exe)
+        else [
+            sys.executable,
+            "-c",
+            "import sys; from hetero_infer.cli import main; sys.exit(main())",
+        ]
+    )
+    r = subprocess.run(
+        cmd + ["--input", "reverse: a b c", "--chat", "--max-tokens", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[-1])["completions"] == ["c b a"]
-    r = subprocess.run(cmd + ["generate", "x", "--model", "/no/such/dir"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "hetero-infer: error: --model: no such directory: /no/such/dir"
+    r = subprocess.run(
+        cmd + ["generate", "x", "--model", "/no/such/dir"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.strip().splitlines()[-1]
+        == "hetero-infer: error: --model: no such directory: /no/such/dir"
+    )

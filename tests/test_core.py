@@ -1,202 +1,409 @@
 "Core types: hetero-paged-infer's config format, JSON round trips, and every bound of `SamplingParams` and `EngineConfig`."
-import json, math
+
+import json
+import math
 import pytest
 from pathlib import Path
-from hetero_infer.core import (EngineConfig, ServingConfig, SamplingParams, SequenceStatus, CompletionOutput, RequestOutput,
-                               QueueFullError, is_hpi_format)
+from hetero_infer.core import (
+    EngineConfig,
+    ServingConfig,
+    SamplingParams,
+    SequenceStatus,
+    CompletionOutput,
+    RequestOutput,
+    QueueFullError,
+    is_hpi_format,
+)
 
 # The example config.json of hetero-paged-infer, byte for byte as in issue 10.
-HPI_EXAMPLE = ('{"block_size":16,"max_num_blocks":1024,"max_batch_size":32,"max_num_seqs":256,"max_model_len":2048,'
-               '"max_total_tokens":4096,"memory_threshold":0.9,"max_retry_attempts":2,"tokenizer":{"kind":"simple","path":null},'
-               '"serving":{"host":"127.0.0.1","port":3000,"model_name":"hetero-infer","backend":{"kind":"local_engine","command":null}}}')
+HPI_EXAMPLE = (
+    '{"block_size":16,"max_num_blocks":1024,"max_batch_size":32,"max_num_seqs":256,"max_model_len":2048,'
+    '"max_total_tokens":4096,"memory_threshold":0.9,"max_retry_attempts":2,"tokenizer":{"kind":"simple","path":null},'
+    '"serving":{"host":"127.0.0.1","port":3000,"model_name":"hetero-infer","backend":{"kind":"local_engine","command":null}}}'
+)
 
 
 # --- hetero-paged-infer's config format (issue 10 item 11) ---
 
-def test_hpi_example_loads_unchanged_from_a_file(tmp_path):
-    p = tmp_path / "config.json"; p.write_text(HPI_EXAMPLE)
-    c = EngineConfig.from_json(p)
-    assert c == EngineConfig.from_json(HPI_EXAMPLE) == EngineConfig.from_json(json.loads(HPI_EXAMPLE)) == EngineConfig.from_json(str(p))
 
-@pytest.mark.parametrize("field, value", [
-    ("block_size", 16), ("num_blocks", 1024),            # max_num_blocks
-    ("max_num_seqs", 32),                                 # max_batch_size: the per-step limit
-    ("max_admitted_seqs", 256),                           # its max_num_seqs: running + waiting
-    ("max_model_len", 2048), ("max_num_batched_tokens", 4096),   # max_total_tokens
-    ("memory_threshold", 0.9), ("max_retry_attempts", 2),
-    ("tokenizer", None),                                  # kind simple, path null: the model's own HF tokenizer
-])
+def test_hpi_example_loads_unchanged_from_a_file(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(HPI_EXAMPLE)
+    c = EngineConfig.from_json(p)
+    assert (
+        c
+        == EngineConfig.from_json(HPI_EXAMPLE)
+        == EngineConfig.from_json(json.loads(HPI_EXAMPLE))
+        == EngineConfig.from_json(str(p))
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("block_size", 16),
+        ("num_blocks", 1024),  # max_num_blocks
+        ("max_num_seqs", 32),  # max_batch_size: the per-step limit
+        ("max_admitted_seqs", 256),  # its max_num_seqs: running + waiting
+        ("max_model_len", 2048),
+        ("max_num_batched_tokens", 4096),  # max_total_tokens
+        ("memory_threshold", 0.9),
+        ("max_retry_attempts", 2),
+        ("tokenizer", None),  # kind simple, path null: the model's own HF tokenizer
+    ],
+)
 def test_hpi_example_maps_each_key(field, value):
     assert getattr(EngineConfig.from_json(HPI_EXAMPLE), field) == value
+
 
 def test_hpi_example_serving():
     s = EngineConfig.from_json(HPI_EXAMPLE).serving
     assert (s.host, s.port, s.model_name) == ("127.0.0.1", 3000, "hetero-infer")
 
+
 def test_hpi_example_round_trips_through_our_format(tmp_path):
     c = EngineConfig.from_json(HPI_EXAMPLE)
     s = c.to_json(tmp_path / "ours.json")
-    assert not is_hpi_format(json.loads(s))               # to_json writes our names
+    assert not is_hpi_format(json.loads(s))  # to_json writes our names
     assert EngineConfig.from_json(s) == c == EngineConfig.from_json(tmp_path / "ours.json")
     assert json.loads(s)["max_num_seqs"] == 32 and json.loads(s)["max_admitted_seqs"] == 256
 
-@pytest.mark.parametrize("d, hpi", [
-    ({"max_batch_size": 8}, True), ({"max_total_tokens": 8}, True), ({"max_num_blocks": 8}, True),
-    ({"tokenizer": {"kind": "huggingface", "path": None}}, True), ({"serving": {"backend": {"kind": "local_engine"}}}, True),
-    ({"max_num_seqs": 8}, False), ({"tokenizer": "/tok", "serving": {"port": 1}}, False), ({}, False),
-])
+
+@pytest.mark.parametrize(
+    "d, hpi",
+    [
+        ({"max_batch_size": 8}, True),
+        ({"max_total_tokens": 8}, True),
+        ({"max_num_blocks": 8}, True),
+        ({"tokenizer": {"kind": "huggingface", "path": None}}, True),
+        ({"serving": {"backend": {"kind": "local_engine"}}}, True),
+        ({"max_num_seqs": 8}, False),
+        ({"tokenizer": "/tok", "serving": {"port": 1}}, False),
+        ({}, False),
+    ],
+)
 def test_format_rule(d, hpi):
     assert is_hpi_format(d) is hpi
+
 
 def test_max_num_seqs_means_per_step_in_our_format_and_admitted_in_hpi():
     assert EngineConfig.from_json({"max_num_seqs": 8}).max_num_seqs == 8
     c = EngineConfig.from_json({"max_batch_size": 4, "max_num_seqs": 8})
     assert (c.max_num_seqs, c.max_admitted_seqs) == (4, 8)
-    c = EngineConfig.from_json({"max_num_blocks": 64, "max_num_seqs": 8})     # hpi without max_batch_size
+    c = EngineConfig.from_json(
+        {"max_num_blocks": 64, "max_num_seqs": 8}
+    )  # hpi without max_batch_size
     assert (c.num_blocks, c.max_num_seqs, c.max_admitted_seqs) == (64, 256, 8)
 
-@pytest.mark.parametrize("kind, path, want", [("simple", None, None), ("huggingface", None, None),
-                                              ("simple", "/models/tok", "/models/tok"), ("huggingface", "/models/tok", "/models/tok")])
+
+@pytest.mark.parametrize(
+    "kind, path, want",
+    [
+        ("simple", None, None),
+        ("huggingface", None, None),
+        ("simple", "/models/tok", "/models/tok"),
+        ("huggingface", "/models/tok", "/models/tok"),
+    ],
+)
 def test_tokenizer_kinds_are_hf_tokenizers(kind, path, want):
     assert EngineConfig.from_json({"tokenizer": {"kind": kind, "path": path}}).tokenizer == want
 
+
 def test_command_bridge_is_refused_saying_why():
-    bad = HPI_EXAMPLE.replace('"kind":"local_engine","command":null', '"kind":"command_bridge","command":"llama-cli -p {prompt}"')
-    with pytest.raises(ValueError, match=r"serving\.backend\.kind 'command_bridge' is not supported.*shell command per prompt.*in-process"):
+    bad = HPI_EXAMPLE.replace(
+        '"kind":"local_engine","command":null',
+        '"kind":"command_bridge","command":"llama-cli -p {prompt}"',
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"serving\.backend\.kind 'command_bridge' is not supported.*shell command per prompt.*in-process",
+    ):
         EngineConfig.from_json(bad)
 
-@pytest.mark.parametrize("d, field", [
-    ({"tokenizer": {"kind": "sentencepiece", "path": None}}, "tokenizer.kind"),
-    ({"tokenizer": {"kind": "simple", "path": 3}}, "tokenizer.path"),
-    ({"tokenizer": {"kind": "simple", "vocab": "x"}}, "tokenizer.vocab"),
-    ({"serving": {"backend": {"kind": "grpc"}}}, "serving.backend.kind"),
-    ({"serving": {"backend": {"kind": "local_engine", "command": "run.sh"}}}, "serving.backend.command"),
-    ({"serving": {"backend": {"kind": "local_engine", "cmd": None}}}, "serving.backend.cmd"),
-    ({"serving": {"backend": "local"}}, "serving.backend"),
-    ({"max_batch_size": 0}, "max_num_seqs"),
-    ({"max_batch_size": 8, "max_num_seqs": 0}, "max_admitted_seqs"),
-    ({"max_num_blocks": 0}, "num_blocks"),
-    ({"max_total_tokens": -1}, "max_num_batched_tokens"),
-    ({"max_retry_attempts": -1}, "max_retry_attempts"),
-    ({"max_num_blocks": 8, "num_blocks": 16}, "max_num_blocks"),
-    ({"max_batch_size": 8, "max_num_seqs": 16, "max_admitted_seqs": 32}, "max_admitted_seqs"),
-    ({"max_total_tokens": 8, "max_num_batched_tokens": 16}, "max_total_tokens"),
-    ({"blok_size": 16}, "blok_size"),
-    ({"serving": {"prot": 1}}, "serving.prot"),
-    ({"serving": {"port": 70000}}, "serving.port"),
-])
+
+@pytest.mark.parametrize(
+    "d, field",
+    [
+        ({"tokenizer": {"kind": "sentencepiece", "path": None}}, "tokenizer.kind"),
+        ({"tokenizer": {"kind": "simple", "path": 3}}, "tokenizer.path"),
+        ({"tokenizer": {"kind": "simple", "vocab": "x"}}, "tokenizer.vocab"),
+        ({"serving": {"backend": {"kind": "grpc"}}}, "serving.backend.kind"),
+        (
+            {"serving": {"backend": {"kind": "local_engine", "command": "run.sh"}}},
+            "serving.backend.command",
+        ),
+        ({"serving": {"backend": {"kind": "local_engine", "cmd": None}}}, "serving.backend.cmd"),
+        ({"serving": {"backend": "local"}}, "serving.backend"),
+        ({"max_batch_size": 0}, "max_num_seqs"),
+        ({"max_batch_size": 8, "max_num_seqs": 0}, "max_admitted_seqs"),
+        ({"max_num_blocks": 0}, "num_blocks"),
+        ({"max_total_tokens": -1}, "max_num_batched_tokens"),
+        ({"max_retry_attempts": -1}, "max_retry_attempts"),
+        ({"max_num_blocks": 8, "num_blocks": 16}, "max_num_blocks"),
+        ({"max_batch_size": 8, "max_num_seqs": 16, "max_admitted_seqs": 32}, "max_admitted_seqs"),
+        ({"max_total_tokens": 8, "max_num_batched_tokens": 16}, "max_total_tokens"),
+        ({"blok_size": 16}, "blok_size"),
+        ({"serving": {"prot": 1}}, "serving.prot"),
+        ({"serving": {"port": 70000}}, "serving.port"),
+    ],
+)
 def test_bad_config_names_the_key(d, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")): EngineConfig.from_json(d)
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        EngineConfig.from_json(d)
+
 
 def test_agreeing_spellings_are_accepted():
-    c = EngineConfig.from_json({"max_num_blocks": 8, "num_blocks": 8, "max_batch_size": 4, "max_num_seqs": 16, "max_admitted_seqs": 16})
+    c = EngineConfig.from_json(
+        {
+            "max_num_blocks": 8,
+            "num_blocks": 8,
+            "max_batch_size": 4,
+            "max_num_seqs": 16,
+            "max_admitted_seqs": 16,
+        }
+    )
     assert (c.num_blocks, c.max_num_seqs, c.max_admitted_seqs) == (8, 4, 16)
 
+
 def test_not_json_or_not_an_object():
-    with pytest.raises(ValueError, match="not valid JSON"): EngineConfig.from_json('{"block_size": ')
-    with pytest.raises(ValueError, match="JSON object"): EngineConfig.from_json(json.loads("[1]"))
-    with pytest.raises(ValueError, match="config file '/no/such.json' cannot be read"): EngineConfig.from_json("/no/such.json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        EngineConfig.from_json('{"block_size": ')
+    with pytest.raises(ValueError, match="JSON object"):
+        EngineConfig.from_json(json.loads("[1]"))
+    with pytest.raises(ValueError, match="config file '/no/such.json' cannot be read"):
+        EngineConfig.from_json("/no/such.json")
 
 
 # --- contracts with the engine and the server ---
 
+
 def test_error_outputs_and_queue_full():
-    assert SequenceStatus.FINISHED_ERROR.finished and SequenceStatus.FINISHED_ERROR.finish_reason == "error"
-    assert {s.finish_reason for s in SequenceStatus if s.finished} == {"stop", "length", "abort", "error"}
+    assert (
+        SequenceStatus.FINISHED_ERROR.finished
+        and SequenceStatus.FINISHED_ERROR.finish_reason == "error"
+    )
+    assert {s.finish_reason for s in SequenceStatus if s.finished} == {
+        "stop",
+        "length",
+        "abort",
+        "error",
+    }
     o = CompletionOutput(0, "", [], finish_reason="error")
     assert o.finished and o.stop_reason is None
     r = RequestOutput("r", None, [1], [o], finished=True)
     assert r.error is None
-    r.error = "step failed"; assert "step failed" in repr(r)
+    r.error = "step failed"
+    assert "step failed" in repr(r)
     assert issubclass(QueueFullError, RuntimeError) and not issubclass(QueueFullError, ValueError)
+
 
 def test_defaults():
     c = EngineConfig()
     assert (c.max_retry_attempts, c.max_admitted_seqs, c.max_num_seqs) == (2, None, 256)
 
-@pytest.mark.parametrize("given, want", [("half", "float16"), ("float", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("auto", "auto")])
+
+@pytest.mark.parametrize(
+    "given, want",
+    [
+        ("half", "float16"),
+        ("float", "float32"),
+        ("float16", "float16"),
+        ("bfloat16", "bfloat16"),
+        ("auto", "auto"),
+    ],
+)
 def test_dtype_spellings(given, want):
     assert EngineConfig(dtype=given).dtype == want
 
+
 def test_dtype_torch_objects_and_path_tokenizer():
     torch = pytest.importorskip("torch")
-    assert [EngineConfig(dtype=d).dtype for d in (torch.float16, torch.bfloat16, torch.float32)] == ["float16", "bfloat16", "float32"]
-    with pytest.raises(ValueError, match="dtype"): EngineConfig(dtype=torch.int8)
+    assert [
+        EngineConfig(dtype=d).dtype for d in (torch.float16, torch.bfloat16, torch.float32)
+    ] == ["float16", "bfloat16", "float32"]
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype=torch.int8)
     assert EngineConfig(tokenizer=Path("/t"), model=Path("/m")).tokenizer == "/t"
 
 
 # --- every bound of EngineConfig (issue 18: checked in tests/, one case per bound) ---
 
 ENGINE_BAD = [
-    ("block_size", 0), ("block_size", 12), ("block_size", 512), ("block_size", 16.0), ("block_size", True),
-    ("num_blocks", 0), ("num_blocks", -1), ("num_blocks", 1.5),
-    ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.01), ("gpu_memory_utilization", math.nan), ("gpu_memory_utilization", math.inf),
-    ("memory_threshold", 0), ("memory_threshold", 1.01), ("memory_threshold", -0.5),
-    ("max_num_seqs", 0), ("max_num_seqs", 2.0),
-    ("max_admitted_seqs", 0), ("max_admitted_seqs", -3), ("max_admitted_seqs", 2.5),
-    ("max_num_batched_tokens", 0), ("max_num_batched_tokens", 1.5),
-    ("max_model_len", 0), ("max_model_len", 10.0),
-    ("max_retry_attempts", -1), ("max_retry_attempts", 1.5), ("max_retry_attempts", None),
-    ("dtype", "fp8"), ("dtype", "int8"), ("device", "tpu"), ("device", "cuda0"), ("attention_backend", "flash"),
-    ("enable_prefix_caching", "yes"), ("enable_prefix_caching", 1), ("enable_chunked_prefill", "no"),
-    ("seed", 1.5), ("seed", "0"), ("model", 3), ("tokenizer", 3),
+    ("block_size", 0),
+    ("block_size", 12),
+    ("block_size", 512),
+    ("block_size", 16.0),
+    ("block_size", True),
+    ("num_blocks", 0),
+    ("num_blocks", -1),
+    ("num_blocks", 1.5),
+    ("gpu_memory_utilization", 0),
+    ("gpu_memory_utilization", 1.01),
+    ("gpu_memory_utilization", math.nan),
+    ("gpu_memory_utilization", math.inf),
+    ("memory_threshold", 0),
+    ("memory_threshold", 1.01),
+    ("memory_threshold", -0.5),
+    ("max_num_seqs", 0),
+    ("max_num_seqs", 2.0),
+    ("max_admitted_seqs", 0),
+    ("max_admitted_seqs", -3),
+    ("max_admitted_seqs", 2.5),
+    ("max_num_batched_tokens", 0),
+    ("max_num_batched_tokens", 1.5),
+    ("max_model_len", 0),
+    ("max_model_len", 10.0),
+    ("max_retry_attempts", -1),
+    ("max_retry_attempts", 1.5),
+    ("max_retry_attempts", None),
+    ("dtype", "fp8"),
+    ("dtype", "int8"),
+    ("device", "tpu"),
+    ("device", "cuda0"),
+    ("attention_backend", "flash"),
+    ("enable_prefix_caching", "yes"),
+    ("enable_prefix_caching", 1),
+    ("enable_chunked_prefill", "no"),
+    ("seed", 1.5),
+    ("seed", "0"),
+    ("model", 3),
+    ("tokenizer", 3),
 ]
+
 
 @pytest.mark.parametrize("field, value", ENGINE_BAD)
 def test_engine_config_rejects_out_of_bounds(field, value):
-    with pytest.raises(ValueError, match=f"^{field} "): EngineConfig(**{field: value})
+    with pytest.raises(ValueError, match=f"^{field} "):
+        EngineConfig(**{field: value})
 
-ENGINE_GOOD = [("block_size", 1), ("block_size", 256), ("num_blocks", None), ("num_blocks", 1), ("gpu_memory_utilization", 1.0),
-               ("memory_threshold", 1.0), ("max_num_seqs", 1), ("max_admitted_seqs", None), ("max_admitted_seqs", 1),
-               ("max_num_batched_tokens", 1), ("max_model_len", 1), ("max_retry_attempts", 0), ("device", "cuda:1"),
-               ("attention_backend", "triton"), ("seed", -5)]
+
+ENGINE_GOOD = [
+    ("block_size", 1),
+    ("block_size", 256),
+    ("num_blocks", None),
+    ("num_blocks", 1),
+    ("gpu_memory_utilization", 1.0),
+    ("memory_threshold", 1.0),
+    ("max_num_seqs", 1),
+    ("max_admitted_seqs", None),
+    ("max_admitted_seqs", 1),
+    ("max_num_batched_tokens", 1),
+    ("max_model_len", 1),
+    ("max_retry_attempts", 0),
+    ("device", "cuda:1"),
+    ("attention_backend", "triton"),
+    ("seed", -5),
+]
+
 
 @pytest.mark.parametrize("field, value", ENGINE_GOOD)
 def test_engine_config_accepts_the_bounds(field, value):
     assert getattr(EngineConfig(**{field: value}), field) == value
+
 
 def test_engine_config_chunked_prefill_off_needs_a_budget_for_max_model_len():
     with pytest.raises(ValueError, match="^max_num_batched_tokens must be >= max_model_len"):
         EngineConfig(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=2048)
     EngineConfig(enable_chunked_prefill=False, max_model_len=2048, max_num_batched_tokens=2048)
 
-@pytest.mark.parametrize("field, value", [("port", -1), ("port", 65536), ("port", "80"), ("host", ""), ("model_name", ""),
-                                          ("api_key", 3), ("max_queued_requests", 0)])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("port", -1),
+        ("port", 65536),
+        ("port", "80"),
+        ("host", ""),
+        ("model_name", ""),
+        ("api_key", 3),
+        ("max_queued_requests", 0),
+    ],
+)
 def test_serving_config_rejects(field, value):
-    with pytest.raises(ValueError, match=f"^serving.{field} "): ServingConfig(**{field: value})
+    with pytest.raises(ValueError, match=f"^serving.{field} "):
+        ServingConfig(**{field: value})
 
 
 # --- every bound of SamplingParams ---
 
 SAMPLING_BAD = [
-    ("n", 0), ("n", 1.5), ("n", True),
-    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
-    ("top_p", 0), ("top_p", 1.01), ("top_p", -1),
-    ("top_k", -2), ("top_k", 1.5),
-    ("min_p", -0.1), ("min_p", 1.1),
-    ("presence_penalty", -2.1), ("presence_penalty", 2.1), ("frequency_penalty", -2.1), ("frequency_penalty", 2.1),
-    ("repetition_penalty", 0), ("repetition_penalty", -1),
-    ("seed", 1.5), ("seed", "1"),
-    ("stop", [""]), ("stop", [1]), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
-    ("ignore_eos", "no"), ("max_tokens", 0), ("max_tokens", 1.5), ("min_tokens", -1),
-    ("logprobs", -1), ("logprobs", 21), ("skip_special_tokens", 1), ("include_stop_str_in_output", "yes"),
+    ("n", 0),
+    ("n", 1.5),
+    ("n", True),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("top_p", 0),
+    ("top_p", 1.01),
+    ("top_p", -1),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("min_p", -0.1),
+    ("min_p", 1.1),
+    ("presence_penalty", -2.1),
+    ("presence_penalty", 2.1),
+    ("frequency_penalty", -2.1),
+    ("frequency_penalty", 2.1),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1),
+    ("seed", 1.5),
+    ("seed", "1"),
+    ("stop", [""]),
+    ("stop", [1]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["a"]),
+    ("ignore_eos", "no"),
+    ("max_tokens", 0),
+    ("max_tokens", 1.5),
+    ("min_tokens", -1),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("skip_special_tokens", 1),
+    ("include_stop_str_in_output", "yes"),
 ]
+
 
 @pytest.mark.parametrize("field, value", SAMPLING_BAD)
 def test_sampling_params_rejects_out_of_bounds(field, value):
-    with pytest.raises(ValueError, match=f"^{field} "): SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**{field: value})
 
-SAMPLING_GOOD = [("n", 1), ("temperature", 0.0), ("temperature", 2.0), ("top_p", 1.0), ("top_p", 0.01), ("top_k", -1), ("top_k", 0),
-                 ("top_k", 5), ("min_p", 0.0), ("min_p", 1.0), ("presence_penalty", -2.0), ("presence_penalty", 2.0),
-                 ("frequency_penalty", -2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 0.01), ("seed", None), ("seed", 0),
-                 ("max_tokens", None), ("max_tokens", 1), ("min_tokens", 16), ("logprobs", 0), ("logprobs", 20), ("logprobs", None)]
+
+SAMPLING_GOOD = [
+    ("n", 1),
+    ("temperature", 0.0),
+    ("temperature", 2.0),
+    ("top_p", 1.0),
+    ("top_p", 0.01),
+    ("top_k", -1),
+    ("top_k", 0),
+    ("top_k", 5),
+    ("min_p", 0.0),
+    ("min_p", 1.0),
+    ("presence_penalty", -2.0),
+    ("presence_penalty", 2.0),
+    ("frequency_penalty", -2.0),
+    ("frequency_penalty", 2.0),
+    ("repetition_penalty", 0.01),
+    ("seed", None),
+    ("seed", 0),
+    ("max_tokens", None),
+    ("max_tokens", 1),
+    ("min_tokens", 16),
+    ("logprobs", 0),
+    ("logprobs", 20),
+    ("logprobs", None),
+]
+
 
 @pytest.mark.parametrize("field, value", SAMPLING_GOOD)
 def test_sampling_params_accepts_the_bounds(field, value):
     assert getattr(SamplingParams(**{field: value}), field) == value
 
+
 def test_min_tokens_at_most_max_tokens():
-    with pytest.raises(ValueError, match="^min_tokens must be <= max_tokens"): SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(ValueError, match="^min_tokens must be <= max_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
     SamplingParams(min_tokens=4, max_tokens=4)
 
 
@@ -206,124 +413,399 @@ from hetero_infer.core import Sequence
 
 # (what is built, its arguments, the exception, its message): every message names the field, the rule and the value.
 BAD = [
-    ('E', {'model': 5}, 'ValueError', 'model must be a path or None, got 5'),
-    ('E', {'tokenizer': 5}, 'ValueError', 'tokenizer must be a path or None, got 5'),
-    ('E', {'dtype': 'float8'}, 'ValueError', "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got 'float8'"),
-    ('E', {'dtype': None}, 'ValueError', "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got None"),
-    ('E', {'dtype': ['float16']}, 'ValueError', "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got ['float16']"),
-    ('E', {'device': 'tpu'}, 'ValueError', "device must be one of ('auto', 'cpu', 'cuda') or 'cuda:N', got 'tpu'"),
-    ('E', {'attention_backend': 'x'}, 'ValueError', "attention_backend must be one of ('auto', 'torch', 'triton'), got 'x'"),
-    ('E', {'block_size': 3}, 'ValueError', 'block_size must be a power of two in [1, 256], got 3'),
-    ('E', {'block_size': 512}, 'ValueError', 'block_size must be a power of two in [1, 256], got 512'),
-    ('E', {'num_blocks': 0}, 'ValueError', 'num_blocks must be an integer >= 1 or None, got 0'),
-    ('E', {'gpu_memory_utilization': 0}, 'ValueError', 'gpu_memory_utilization must be in (0, 1], got 0'),
-    ('E', {'memory_threshold': 0}, 'ValueError', 'memory_threshold must be in (0, 1], got 0'),
-    ('E', {'max_num_seqs': 0}, 'ValueError', 'max_num_seqs must be an integer >= 1, got 0'),
-    ('E', {'max_admitted_seqs': 0}, 'ValueError', 'max_admitted_seqs must be an integer >= 1 or None, got 0'),
-    ('E', {'max_retry_attempts': -1}, 'ValueError', 'max_retry_attempts must be an integer >= 0, got -1'),
-    ('E', {'tensor_parallel_size': 0}, 'ValueError', 'tensor_parallel_size must be an integer >= 1, got 0'),
-    ('E', {'tensor_parallel_size': 1.0}, 'ValueError', 'tensor_parallel_size must be an integer >= 1, got 1.0'),
-    ('E', {'max_num_batched_tokens': 0}, 'ValueError', 'max_num_batched_tokens must be an integer >= 1, got 0'),
-    ('E', {'max_model_len': 0}, 'ValueError', 'max_model_len must be an integer >= 1 or None, got 0'),
-    ('E', {'enable_prefix_caching': 1}, 'ValueError', 'enable_prefix_caching must be a bool, got 1'),
-    ('E', {'seed': 1.5}, 'ValueError', 'seed must be an integer, got 1.5'),
-    ('E', {'speculative_method': 'x'}, 'ValueError', "speculative_method must be None or one of ('ngram', 'draft'), got 'x'"),
-    ('E', {'num_speculative_tokens': 0}, 'ValueError', 'num_speculative_tokens must be an integer in [1, 16], got 0'),
-    ('E', {'num_speculative_tokens': 17}, 'ValueError', 'num_speculative_tokens must be an integer in [1, 16], got 17'),
-    ('E', {'num_speculative_tokens': 2.0}, 'ValueError', 'num_speculative_tokens must be an integer in [1, 16], got 2.0'),
-    ('E', {'speculative_method': 'draft', 'speculative_model': 5}, 'ValueError', 'speculative_model must be a path or None, got 5'),
-    ('E', {'speculative_method': 'draft'}, 'ValueError', "speculative_model must name the draft checkpoint directory when speculative_method is 'draft'"),
-    ('E', {'speculative_model': '/d'}, 'ValueError', "speculative_model is only used with speculative_method='draft', got speculative_method=None"),
-    ('E', {'speculative_method': 'ngram', 'speculative_model': '/d'}, 'ValueError', "speculative_model is only used with speculative_method='draft', got speculative_method='ngram'"),
-    ('E', {'prompt_lookup_min': 0}, 'ValueError', 'prompt_lookup_min must be an integer >= 1, got 0'),
-    ('E', {'prompt_lookup_max': 0}, 'ValueError', 'prompt_lookup_max must be an integer >= 1, got 0'),
-    ('E', {'prompt_lookup_min': 1.0}, 'ValueError', 'prompt_lookup_min must be an integer >= 1, got 1.0'),
-    ('E', {'prompt_lookup_min': 3, 'prompt_lookup_max': 2}, 'ValueError', 'prompt_lookup_min must be <= prompt_lookup_max (2), got 3'),
-    ('S', {'host': ''}, 'ValueError', "serving.host must be a non-empty string, got ''"),
-    ('S', {'port': -1}, 'ValueError', 'serving.port must be an integer in [0, 65535], got -1'),
-    ('S', {'port': 65536}, 'ValueError', 'serving.port must be an integer in [0, 65535], got 65536'),
-    ('S', {'model_name': ''}, 'ValueError', "serving.model_name must be a non-empty string or None, got ''"),
-    ('S', {'api_key': 5}, 'ValueError', 'serving.api_key must be a string or None, got 5'),
-    ('S', {'max_queued_requests': 0}, 'ValueError', 'serving.max_queued_requests must be an integer >= 1, got 0'),
-    ('P', {'n': 0}, 'ValueError', 'n must be an integer >= 1, got 0'),
-    ('P', {'temperature': -1}, 'ValueError', 'temperature must be >= 0, got -1'),
-    ('P', {'top_p': 0}, 'ValueError', 'top_p must be in (0, 1], got 0'),
-    ('P', {'top_k': -2}, 'ValueError', 'top_k must be -1, 0 (disabled) or a positive integer, got -2'),
-    ('P', {'min_p': 2}, 'ValueError', 'min_p must be in [0, 1], got 2'),
-    ('P', {'presence_penalty': 3}, 'ValueError', 'presence_penalty must be in [-2, 2], got 3'),
-    ('J', [1], 'ValueError', 'config must be a JSON object, got list'),
-    ('J', {'serving': {'x': 1}}, 'ValueError', 'unknown config key(s) serving.x; known: api_key, host, max_queued_requests, model_name, port'),
-    ('J', {'bogus': 1}, 'ValueError', 'unknown config key(s) bogus; known: attention_backend, block_size, device, dtype, enable_chunked_prefill, enable_prefix_caching, gpu_memory_utilization, max_admitted_seqs, max_model_len, max_num_batched_tokens, max_num_seqs, max_retry_attempts, memory_threshold, model, num_blocks, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, seed, serving, speculative_method, speculative_model, tensor_parallel_size, tokenizer'),
-    ('J', {'tokenizer': {'kind': 'huggingface', 'path': '/t', 'x': 1, 'y': 2}}, 'ValueError', 'unknown config key(s) tokenizer.x, tokenizer.y; known: kind, path'),
-    ('J', {'tokenizer': {'kind': 'bpe'}}, 'ValueError', "tokenizer.kind must be one of ('simple', 'huggingface') (both load a Hugging Face tokenizer), got 'bpe'"),
-    ('J', {'tokenizer': {'path': ''}}, 'ValueError', "tokenizer.path must be a directory path or null (the model's own tokenizer), got ''"),
-    ('J', {'serving': {'backend': 5}}, 'ValueError', 'serving.backend must be an object, got 5'),
-    ('J', {'serving': {'backend': {'kind': 'local_engine', 'x': 1, 'y': 2}}}, 'ValueError', 'unknown config key(s) serving.backend.x, serving.backend.y; known: kind, command'),
-    ('J', {'serving': {'backend': {'kind': 'command_bridge'}}}, 'ValueError', "serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine runs the model in-process and batches requests itself; use 'local_engine'"),
-    ('J', {'serving': {'backend': {'kind': 'remote'}}}, 'ValueError', "serving.backend.kind must be 'local_engine' (the model runs in this process), got 'remote'"),
-    ('J', {'serving': {'backend': {'command': 'echo'}}}, 'ValueError', "serving.backend.command must be null: only 'command_bridge' uses a command, got 'echo'"),
-    ('F', '/no/such/config.json', 'ValueError', "config file '/no/such/config.json' cannot be read: No such file or directory"),
-    ('Q', {'num_prompt_tokens': 0}, 'ValueError', 'num_prompt_tokens must be in [1, 3], got 0'),
-    ('Q', {'num_prompt_tokens': 4}, 'ValueError', 'num_prompt_tokens must be in [1, 3], got 4'),
-    ('P', {'repetition_penalty': 0}, 'ValueError', 'repetition_penalty must be > 0, got 0'),
-    ('P', {'seed': 1.5}, 'ValueError', 'seed must be an integer or None, got 1.5'),
-    ('P', {'stop': ['']}, 'ValueError', "stop must be non-empty strings, got ['']"),
-    ('P', {'stop_token_ids': [-1]}, 'ValueError', 'stop_token_ids must be non-negative integers, got [-1]'),
-    ('P', {'ignore_eos': 1}, 'ValueError', 'ignore_eos must be a bool, got 1'),
-    ('P', {'max_tokens': 0}, 'ValueError', 'max_tokens must be an integer >= 1 or None, got 0'),
-    ('P', {'min_tokens': -1}, 'ValueError', 'min_tokens must be an integer >= 0, got -1'),
-    ('P', {'logprobs': 21}, 'ValueError', 'logprobs must be an integer in [0, 20] or None, got 21'),
-    ('P', {'skip_special_tokens': 1}, 'ValueError', 'skip_special_tokens must be a bool, got 1'),
-    ('P', {'include_stop_str_in_output': 1}, 'ValueError', 'include_stop_str_in_output must be a bool, got 1'),
-    ('P', {'detokenize': 1}, 'ValueError', 'detokenize must be a bool, got 1'),
-    ('P', {'stop': ['x'], 'detokenize': False}, 'ValueError', 'stop strings need the text: set detokenize=True, or use stop_token_ids'),
-    ('E', {'block_size': 0}, 'ValueError', 'block_size must be a power of two in [1, 256], got 0'),
+    ("E", {"model": 5}, "ValueError", "model must be a path or None, got 5"),
+    ("E", {"tokenizer": 5}, "ValueError", "tokenizer must be a path or None, got 5"),
+    (
+        "E",
+        {"dtype": "float8"},
+        "ValueError",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got 'float8'",
+    ),
+    (
+        "E",
+        {"dtype": None},
+        "ValueError",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got None",
+    ),
+    (
+        "E",
+        {"dtype": ["float16"]},
+        "ValueError",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got ['float16']",
+    ),
+    (
+        "E",
+        {"device": "tpu"},
+        "ValueError",
+        "device must be one of ('auto', 'cpu', 'cuda') or 'cuda:N', got 'tpu'",
+    ),
+    (
+        "E",
+        {"attention_backend": "x"},
+        "ValueError",
+        "attention_backend must be one of ('auto', 'torch', 'triton'), got 'x'",
+    ),
+    ("E", {"block_size": 3}, "ValueError", "block_size must be a power of two in [1, 256], got 3"),
+    (
+        "E",
+        {"block_size": 512},
+        "ValueError",
+        "block_size must be a power of two in [1, 256], got 512",
+    ),
+    ("E", {"num_blocks": 0}, "ValueError", "num_blocks must be an integer >= 1 or None, got 0"),
+    (
+        "E",
+        {"gpu_memory_utilization": 0},
+        "ValueError",
+        "gpu_memory_utilization must be in (0, 1], got 0",
+    ),
+    ("E", {"memory_threshold": 0}, "ValueError", "memory_threshold must be in (0, 1], got 0"),
+    ("E", {"max_num_seqs": 0}, "ValueError", "max_num_seqs must be an integer >= 1, got 0"),
+    (
+        "E",
+        {"max_admitted_seqs": 0},
+        "ValueError",
+        "max_admitted_seqs must be an integer >= 1 or None, got 0",
+    ),
+    (
+        "E",
+        {"max_retry_attempts": -1},
+        "ValueError",
+        "max_retry_attempts must be an integer >= 0, got -1",
+    ),
+    (
+        "E",
+        {"tensor_parallel_size": 0},
+        "ValueError",
+        "tensor_parallel_size must be an integer >= 1, got 0",
+    ),
+    (
+        "E",
+        {"tensor_parallel_size": 1.0},
+        "ValueError",
+        "tensor_parallel_size must be an integer >= 1, got 1.0",
+    ),
+    (
+        "E",
+        {"max_num_batched_tokens": 0},
+        "ValueError",
+        "max_num_batched_tokens must be an integer >= 1, got 0",
+    ),
+    (
+        "E",
+        {"max_model_len": 0},
+        "ValueError",
+        "max_model_len must be an integer >= 1 or None, got 0",
+    ),
+    (
+        "E",
+        {"enable_prefix_caching": 1},
+        "ValueError",
+        "enable_prefix_caching must be a bool, got 1",
+    ),
+    ("E", {"seed": 1.5}, "ValueError", "seed must be an integer, got 1.5"),
+    (
+        "E",
+        {"speculative_method": "x"},
+        "ValueError",
+        "speculative_method must be None or one of ('ngram', 'draft'), got 'x'",
+    ),
+    (
+        "E",
+        {"num_speculative_tokens": 0},
+        "ValueError",
+        "num_speculative_tokens must be an integer in [1, 16], got 0",
+    ),
+    (
+        "E",
+        {"num_speculative_tokens": 17},
+        "ValueError",
+        "num_speculative_tokens must be an integer in [1, 16], got 17",
+    ),
+    (
+        "E",
+        {"num_speculative_tokens": 2.0},
+        "ValueError",
+        "num_speculative_tokens must be an integer in [1, 16], got 2.0",
+    ),
+    (
+        "E",
+        {"speculative_method": "draft", "speculative_model": 5},
+        "ValueError",
+        "speculative_model must be a path or None, got 5",
+    ),
+    (
+        "E",
+        {"speculative_method": "draft"},
+        "ValueError",
+        "speculative_model must name the draft checkpoint directory when speculative_method is 'draft'",
+    ),
+    (
+        "E",
+        {"speculative_model": "/d"},
+        "ValueError",
+        "speculative_model is only used with speculative_method='draft', got speculative_method=None",
+    ),
+    (
+        "E",
+        {"speculative_method": "ngram", "speculative_model": "/d"},
+        "ValueError",
+        "speculative_model is only used with speculative_method='draft', got speculative_method='ngram'",
+    ),
+    (
+        "E",
+        {"prompt_lookup_min": 0},
+        "ValueError",
+        "prompt_lookup_min must be an integer >= 1, got 0",
+    ),
+    (
+        "E",
+        {"prompt_lookup_max": 0},
+        "ValueError",
+        "prompt_lookup_max must be an integer >= 1, got 0",
+    ),
+    (
+        "E",
+        {"prompt_lookup_min": 1.0},
+        "ValueError",
+        "prompt_lookup_min must be an integer >= 1, got 1.0",
+    ),
+    (
+        "E",
+        {"prompt_lookup_min": 3, "prompt_lookup_max": 2},
+        "ValueError",
+        "prompt_lookup_min must be <= prompt_lookup_max (2), got 3",
+    ),
+    ("S", {"host": ""}, "ValueError", "serving.host must be a non-empty string, got ''"),
+    ("S", {"port": -1}, "ValueError", "serving.port must be an integer in [0, 65535], got -1"),
+    (
+        "S",
+        {"port": 65536},
+        "ValueError",
+        "serving.port must be an integer in [0, 65535], got 65536",
+    ),
+    (
+        "S",
+        {"model_name": ""},
+        "ValueError",
+        "serving.model_name must be a non-empty string or None, got ''",
+    ),
+    ("S", {"api_key": 5}, "ValueError", "serving.api_key must be a string or None, got 5"),
+    (
+        "S",
+        {"max_queued_requests": 0},
+        "ValueError",
+        "serving.max_queued_requests must be an integer >= 1, got 0",
+    ),
+    ("P", {"n": 0}, "ValueError", "n must be an integer >= 1, got 0"),
+    ("P", {"temperature": -1}, "ValueError", "temperature must be >= 0, got -1"),
+    ("P", {"top_p": 0}, "ValueError", "top_p must be in (0, 1], got 0"),
+    (
+        "P",
+        {"top_k": -2},
+        "ValueError",
+        "top_k must be -1, 0 (disabled) or a positive integer, got -2",
+    ),
+    ("P", {"min_p": 2}, "ValueError", "min_p must be in [0, 1], got 2"),
+    ("P", {"presence_penalty": 3}, "ValueError", "presence_penalty must be in [-2, 2], got 3"),
+    ("J", [1], "ValueError", "config must be a JSON object, got list"),
+    (
+        "J",
+        {"serving": {"x": 1}},
+        "ValueError",
+        "unknown config key(s) serving.x; known: api_key, host, max_queued_requests, model_name, port",
+    ),
+    (
+        "J",
+        {"bogus": 1},
+        "ValueError",
+        "unknown config key(s) bogus; known: attention_backend, block_size, device, dtype, enable_chunked_prefill, enable_prefix_caching, gpu_memory_utilization, max_admitted_seqs, max_model_len, max_num_batched_tokens, max_num_seqs, max_retry_attempts, memory_threshold, model, num_blocks, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, seed, serving, speculative_method, speculative_model, tensor_parallel_size, tokenizer",
+    ),
+    (
+        "J",
+        {"tokenizer": {"kind": "huggingface", "path": "/t", "x": 1, "y": 2}},
+        "ValueError",
+        "unknown config key(s) tokenizer.x, tokenizer.y; known: kind, path",
+    ),
+    (
+        "J",
+        {"tokenizer": {"kind": "bpe"}},
+        "ValueError",
+        "tokenizer.kind must be one of ('simple', 'huggingface') (both load a Hugging Face tokenizer), got 'bpe'",
+    ),
+    (
+        "J",
+        {"tokenizer": {"path": ""}},
+        "ValueError",
+        "tokenizer.path must be a directory path or null (the model's own tokenizer), got ''",
+    ),
+    ("J", {"serving": {"backend": 5}}, "ValueError", "serving.backend must be an object, got 5"),
+    (
+        "J",
+        {"serving": {"backend": {"kind": "local_engine", "x": 1, "y": 2}}},
+        "ValueError",
+        "unknown config key(s) serving.backend.x, serving.backend.y; known: kind, command",
+    ),
+    (
+        "J",
+        {"serving": {"backend": {"kind": "command_bridge"}}},
+        "ValueError",
+        "serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine runs the model in-process and batches requests itself; use 'local_engine'",
+    ),
+    (
+        "J",
+        {"serving": {"backend": {"kind": "remote"}}},
+        "ValueError",
+        "serving.backend.kind must be 'local_engine' (the model runs in this process), got 'remote'",
+    ),
+    (
+        "J",
+        {"serving": {"backend": {"command": "echo"}}},
+        "ValueError",
+        "serving.backend.command must be null: only 'command_bridge' uses a command, got 'echo'",
+    ),
+    (
+        "F",
+        "/no/such/config.json",
+        "ValueError",
+        "config file '/no/such/config.json' cannot be read: No such file or directory",
+    ),
+    ("Q", {"num_prompt_tokens": 0}, "ValueError", "num_prompt_tokens must be in [1, 3], got 0"),
+    ("Q", {"num_prompt_tokens": 4}, "ValueError", "num_prompt_tokens must be in [1, 3], got 4"),
+    ("P", {"repetition_penalty": 0}, "ValueError", "repetition_penalty must be > 0, got 0"),
+    ("P", {"seed": 1.5}, "ValueError", "seed must be an integer or None, got 1.5"),
+    ("P", {"stop": [""]}, "ValueError", "stop must be non-empty strings, got ['']"),
+    (
+        "P",
+        {"stop_token_ids": [-1]},
+        "ValueError",
+        "stop_token_ids must be non-negative integers, got [-1]",
+    ),
+    ("P", {"ignore_eos": 1}, "ValueError", "ignore_eos must be a bool, got 1"),
+    ("P", {"max_tokens": 0}, "ValueError", "max_tokens must be an integer >= 1 or None, got 0"),
+    ("P", {"min_tokens": -1}, "ValueError", "min_tokens must be an integer >= 0, got -1"),
+    ("P", {"logprobs": 21}, "ValueError", "logprobs must be an integer in [0, 20] or None, got 21"),
+    ("P", {"skip_special_tokens": 1}, "ValueError", "skip_special_tokens must be a bool, got 1"),
+    (
+        "P",
+        {"include_stop_str_in_output": 1},
+        "ValueError",
+        "include_stop_str_in_output must be a bool, got 1",
+    ),
+    ("P", {"detokenize": 1}, "ValueError", "detokenize must be a bool, got 1"),
+    (
+        "P",
+        {"stop": ["x"], "detokenize": False},
+        "ValueError",
+        "stop strings need the text: set detokenize=True, or use stop_token_ids",
+    ),
+    ("E", {"block_size": 0}, "ValueError", "block_size must be a power of two in [1, 256], got 0"),
 ]
 
+
 def _build_case(kind, kw):
-    if kind == "E": return EngineConfig(**kw)
-    if kind == "S": return ServingConfig(**kw)
-    if kind == "P": return SamplingParams(**kw)
-    if kind in "JF": return EngineConfig.from_json(kw)
-    if kind == "Q": return Sequence(0, "r", [1, 2, 3], kw["num_prompt_tokens"])
+    if kind == "E":
+        return EngineConfig(**kw)
+    if kind == "S":
+        return ServingConfig(**kw)
+    if kind == "P":
+        return SamplingParams(**kw)
+    if kind in "JF":
+        return EngineConfig.from_json(kw)
+    if kind == "Q":
+        return Sequence(0, "r", [1, 2, 3], kw["num_prompt_tokens"])
+
 
 @pytest.mark.parametrize("kind,kw,exc,msg", BAD, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD)])
 def test_every_refusal_has_its_exact_message(kind, kw, exc, msg):
-    with pytest.raises(ValueError) as e: _build_case(kind, kw)
+    with pytest.raises(ValueError) as e:
+        _build_case(kind, kw)
     assert type(e.value).__name__ == exc and str(e.value) == msg
 
+
 def test_accepted_edges_and_normalizations():
-    assert ServingConfig(port=0).port == 0 and ServingConfig(port=65535).port == 65535 and ServingConfig(max_queued_requests=1).max_queued_requests == 1
-    c = EngineConfig(model=Path("/m"), speculative_method="draft", speculative_model=Path("/d"), num_speculative_tokens=16,
-                     prompt_lookup_min=2, prompt_lookup_max=2, block_size=256, tensor_parallel_size=1)
-    assert (c.model, c.speculative_model, c.num_speculative_tokens, c.block_size) == ("/m", "/d", 16, 256)
-    assert EngineConfig(num_speculative_tokens=1, speculative_method="ngram").num_speculative_tokens == 1
+    assert (
+        ServingConfig(port=0).port == 0
+        and ServingConfig(port=65535).port == 65535
+        and ServingConfig(max_queued_requests=1).max_queued_requests == 1
+    )
+    c = EngineConfig(
+        model=Path("/m"),
+        speculative_method="draft",
+        speculative_model=Path("/d"),
+        num_speculative_tokens=16,
+        prompt_lookup_min=2,
+        prompt_lookup_max=2,
+        block_size=256,
+        tensor_parallel_size=1,
+    )
+    assert (c.model, c.speculative_model, c.num_speculative_tokens, c.block_size) == (
+        "/m",
+        "/d",
+        16,
+        256,
+    )
+    assert (
+        EngineConfig(num_speculative_tokens=1, speculative_method="ngram").num_speculative_tokens
+        == 1
+    )
     assert SamplingParams(stop="x").stop == ["x"]
-    g = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)        # greedy: the filters are moot and reset
+    g = SamplingParams(
+        temperature=0, top_p=0.5, top_k=3, min_p=0.2
+    )  # greedy: the filters are moot and reset
     assert (g.top_p, g.top_k, g.min_p) == (1.0, 0, 0.0)
-    assert EngineConfig.from_json('  {"seed": 3}').seed == 3                # leading whitespace is still JSON text
-    assert EngineConfig.from_json({"tokenizer": {"path": "/t"}}).tokenizer == "/t"       # kind defaults to huggingface
-    assert EngineConfig.from_json({"serving": {"backend": {"command": None}, "port": 1}}).serving.port == 1   # kind defaults to local_engine
-    assert EngineConfig.from_json({"serving": {"port": 2}, "max_batch_size": 3}).serving.port == 2            # no backend object at all
+    assert (
+        EngineConfig.from_json('  {"seed": 3}').seed == 3
+    )  # leading whitespace is still JSON text
+    assert (
+        EngineConfig.from_json({"tokenizer": {"path": "/t"}}).tokenizer == "/t"
+    )  # kind defaults to huggingface
+    assert (
+        EngineConfig.from_json({"serving": {"backend": {"command": None}, "port": 1}}).serving.port
+        == 1
+    )  # kind defaults to local_engine
+    assert (
+        EngineConfig.from_json({"serving": {"port": 2}, "max_batch_size": 3}).serving.port == 2
+    )  # no backend object at all
     s = EngineConfig(seed=3).to_json()
     assert s == json.dumps(EngineConfig(seed=3).to_dict(), indent=2) and '\n  "seed": 3' in s
+
 
 def test_fork_copies_the_state_a_child_continues_from():
     p = Sequence(0, "r", [1, 2, 3, 4], 3, SamplingParams(n=2))
     p.block_table, p.block_hashes, p.num_computed_tokens, p.num_cached_tokens = [7, 8], [11], 3, 2
     c = p.fork(1, index=1)
-    assert (c.seq_id, c.index, c.token_ids, c.num_computed_tokens, c.num_cached_tokens) == (1, 1, [1, 2, 3, 4], 3, 2)
+    assert (c.seq_id, c.index, c.token_ids, c.num_computed_tokens, c.num_cached_tokens) == (
+        1,
+        1,
+        [1, 2, 3, 4],
+        3,
+        2,
+    )
     assert c.block_table == [] and c.block_hashes == [11] and c.block_hashes is not p.block_hashes
 
+
 def test_request_output_repr():
-    outs = [CompletionOutput(0, "hi", [1, 2], finish_reason="stop"), CompletionOutput(1, "", [], finish_reason="error")]
+    outs = [
+        CompletionOutput(0, "hi", [1, 2], finish_reason="stop"),
+        CompletionOutput(1, "", [], finish_reason="error"),
+    ]
     r = RequestOutput("a", "p", [5], outs, True, error="boom")
-    assert repr(r) == "RequestOutput('a', prompt='p', finished=True, error='boom': [0] 'hi' (2 tok, stop); [1] '' (0 tok, error))"
-    assert repr(RequestOutput("b", None, [5], outs[:1])) == "RequestOutput('b', prompt=None, finished=False: [0] 'hi' (2 tok, stop))"
+    assert (
+        repr(r)
+        == "RequestOutput('a', prompt='p', finished=True, error='boom': [0] 'hi' (2 tok, stop); [1] '' (0 tok, error))"
+    )
+    assert (
+        repr(RequestOutput("b", None, [5], outs[:1]))
+        == "RequestOutput('b', prompt=None, finished=False: [0] 'hi' (2 tok, stop))"
+    )
+
 
 def test_serving_must_be_an_object():
     "A `serving` that is neither a dict nor a ServingConfig is refused naming the field (it was accepted: found by a mutation run)."
     for bad in (5, "x", [1]):
-        with pytest.raises(ValueError, match="serving must be an object"): EngineConfig(serving=bad)
-    with pytest.raises(ValueError, match="serving must be an object"): EngineConfig.from_json('{"serving": "x"}')
+        with pytest.raises(ValueError, match="serving must be an object"):
+            EngineConfig(serving=bad)
+    with pytest.raises(ValueError, match="serving must be an object"):
+        EngineConfig.from_json('{"serving": "x"}')
     assert EngineConfig(serving={"port": 9}).serving.port == 9

@@ -3,57 +3,112 @@
 Every specialization the engine can launch (hetero_infer.kernel_resources.launch_specs) must compile for its target, fit
 that GPU's shared memory per block and spill no registers. Compiles run in worker processes without TRITON_INTERPRET;
 Triton's own content-addressed cache makes a rerun with unchanged kernels fast."""
-import os, textwrap
-import pytest, torch
+
+import os
+import textwrap
+import pytest
+import torch
 from hetero_infer import kernels
-from hetero_infer.kernel_resources import (ARCHS, KERNELS, KernelSpec, compile_report, kernel_specs, launch_specs,
-                                           report_problems)
+from hetero_infer.kernel_resources import (
+    ARCHS,
+    KERNELS,
+    KernelSpec,
+    compile_report,
+    kernel_specs,
+    launch_specs,
+    report_problems,
+)
+
 
 def test_every_specialization_compiles_fits_and_does_not_spill():
     specs = launch_specs()
     report = compile_report(specs)
     assert len(report) == len(specs) == 210
     problems = report_problems(report)
-    assert not problems, f"{len(problems)} of {len(report)} specializations fail:\n" + "\n".join(problems)
-    assert set(report.arch) == set(ARCHS) and (report.regs <= 255).all() and (report.blocks_per_sm >= 1).all()
+    assert not problems, f"{len(problems)} of {len(report)} specializations fail:\n" + "\n".join(
+        problems
+    )
+    assert (
+        set(report.arch) == set(ARCHS)
+        and (report.regs <= 255).all()
+        and (report.blocks_per_sm >= 1).all()
+    )
+
 
 def test_a_broken_kernel_fails_by_name(tmp_path):
     "A kernel the interpreter runs but a GPU compile rejects (an 8 x 8 tl.dot: its inner dimension is under 16) is reported with its name, constexprs and target."
-    (tmp_path / "broken_kernels.py").write_text(textwrap.dedent('''
+    (tmp_path / "broken_kernels.py").write_text(
+        textwrap.dedent("""
         import triton, triton.language as tl
         @triton.jit
         def _small_dot_kernel(a_ptr, out_ptr, BLOCK: tl.constexpr):
             offs = tl.arange(0, BLOCK)
             a = tl.load(a_ptr + offs[:, None] * BLOCK + offs[None, :])
             tl.store(out_ptr + offs[:, None] * BLOCK + offs[None, :], tl.dot(a, a))
-        '''))
-    spec = KernelSpec("write_kv", "float16", "sm_90", (64,), dict(BLOCK=8), module="broken_kernels", fn="_small_dot_kernel")
-    report = compile_report([spec], jobs=1, env={"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        """)
+    )
+    spec = KernelSpec(
+        "write_kv",
+        "float16",
+        "sm_90",
+        (64,),
+        dict(BLOCK=8),
+        module="broken_kernels",
+        fn="_small_dot_kernel",
+    )
+    report = compile_report(
+        [spec],
+        jobs=1,
+        env={"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
     problems = report_problems(report)
-    assert len(problems) == 1 and "_small_dot_kernel[BLOCK=8]" in problems[0] and "sm_90" in problems[0] and "K >= 16" in problems[0], problems
+    assert (
+        len(problems) == 1
+        and "_small_dot_kernel[BLOCK=8]" in problems[0]
+        and "sm_90" in problems[0]
+        and "K >= 16" in problems[0]
+    ), problems
+
 
 class _Recorder:
     "Stands in for a @triton.jit kernel: records the constexprs and launch options of each launch, runs nothing."
-    def __init__(self, fn, calls): self.fn, self.calls = fn, calls
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
     def __getitem__(self, grid):
-        def launch(*args, **kw): self.calls.append((self.fn, kw))
+        def launch(*args, **kw):
+            self.calls.append((self.fn, kw))
+
         return launch
 
-@pytest.mark.parametrize("D,dtype", [(64, torch.float16), (96, torch.float32), (256, torch.float16)])
+
+@pytest.mark.parametrize(
+    "D,dtype", [(64, torch.float16), (96, torch.float32), (256, torch.float16)]
+)
 def test_the_check_compiles_what_the_launchers_launch(monkeypatch, D, dtype):
     "The launchers (on CPU: sm_80 tiles) pass exactly the constexprs and options launch_specs compiles for sm_80."
     calls = []
-    for name in set(KERNELS.values()): monkeypatch.setattr(kernels, name, _Recorder(name, calls))
+    for name in set(KERNELS.values()):
+        monkeypatch.setattr(kernels, name, _Recorder(name, calls))
     q, c = torch.zeros(2, 4, D, dtype=dtype), torch.zeros(4, 16, 2, D, dtype=dtype)
     bt, sl = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     kernels.triton_write_kv(c[0, :2], c[0, :2], c, c, torch.zeros(2, dtype=torch.long))
     kernels.triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
     kernels.triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=2)
-    kernels.triton_paged_prefill_attention(q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0)
-    want = {k: kernel_specs(k, str(dtype)[6:], "sm_80", (D,)) for k in ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")}
+    kernels.triton_paged_prefill_attention(
+        q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0
+    )
+    want = {
+        k: kernel_specs(k, str(dtype)[6:], "sm_80", (D,))
+        for k in ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")
+    }
     got = dict(zip(["write_kv", "decode", "decode_split", "reduce_splits", "prefill"], calls))
     for k, spec in want.items():
         fn, kw = got[k]
         assert fn == KERNELS[k]
         assert {n: kw[n] for n in spec.constexprs} == spec.constexprs, k
-        assert (kw.get("num_warps", 4), kw.get("num_stages", 3)) == (spec.num_warps, spec.num_stages), k
+        assert (kw.get("num_warps", 4), kw.get("num_stages", 3)) == (
+            spec.num_warps,
+            spec.num_stages,
+        ), k

@@ -2,8 +2,14 @@
 transformers for every family (one replicated KV head, a vocabulary not divisible by 2, tied and untied embeddings), also with
 chunked prefill, prefix caching and preemption; the server answers with 2 ranks and leaves no process behind; a worker that dies
 ends the engine with an error naming it, within the timeout."""
-import os, signal, subprocess, sys, time
-import pytest, torch
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import pytest
+import torch
 from hetero_infer.core import SamplingParams
 from hetero_infer.engine import LLM, EngineStepError
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
@@ -11,19 +17,36 @@ from test_engine import hf_greedy, prompts
 
 # One shape per family that stresses a different part of the split: Llama with an odd vocabulary (padded LM head), Qwen2 with
 # one KV head (replicated on both ranks) and tied embeddings, Qwen3 with q/k norms, Mistral with plain GQA.
-SHAPES = {"llama": dict(vocab_size=257), "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
-          "qwen3": dict(vocab_size=255), "mistral": {}}
+SHAPES = {
+    "llama": dict(vocab_size=257),
+    "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(vocab_size=255),
+    "mistral": {},
+}
 N_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 CPU = dict(device="cpu", dtype="float32", block_size=16)
 
+
 def _model(path, family):
-    return tiny_hf_checkpoint(path, family, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None, **SHAPES[family])
+    return tiny_hf_checkpoint(
+        path,
+        family,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **SHAPES[family],
+    )
+
 
 def _run(path, ps, **kw):
     llm = LLM(str(path), **CPU, **kw)
-    try: return [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-    finally: llm.close()
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    finally:
+        llm.close()
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tp2_equals_one_process_and_transformers(family, tmp_path):
@@ -33,26 +56,38 @@ def test_tp2_equals_one_process_and_transformers(family, tmp_path):
     assert tp2 == _run(tmp_path, ps)
     assert tp2 == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
 
+
 def test_tp2_with_chunked_prefill_prefix_caching_and_preemption(tmp_path):
     hf = _model(tmp_path, "llama")
     shared = prompts((32,), seed=3)[0]
     ps = [shared + p for p in prompts((5, 9, 13, 2), seed=4)] + prompts((30,), seed=5)
-    kw = dict(max_num_batched_tokens=32, num_blocks=8, max_num_seqs=4, enable_prefix_caching=True)   # tight: forces preemption
+    kw = dict(
+        max_num_batched_tokens=32, num_blocks=8, max_num_seqs=4, enable_prefix_caching=True
+    )  # tight: forces preemption
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2, **kw)
     try:
         outs = llm.generate(ps, GREEDY, use_tqdm=False)
         stats = llm.engine.stats
-    finally: llm.close()
+    finally:
+        llm.close()
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
     assert stats["preemptions"] > 0 and stats["prefix_cache"]["cache_hits"] > 0, stats
 
+
 def test_tp_refuses_a_split_the_model_cannot_take(tmp_path):
-    _model(tmp_path, "llama")     # 4 heads
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads"): LLM(str(tmp_path), **CPU, tensor_parallel_size=3)
+    _model(tmp_path, "llama")  # 4 heads
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads"
+    ):
+        LLM(str(tmp_path), **CPU, tensor_parallel_size=3)
+
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
     return [int(x) for x in out.split()]
+
 
 def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
     "A worker killed mid-run: the running requests end with an error naming the rank, promptly; later ones are refused too."
@@ -60,38 +95,82 @@ def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
     try:
         eng = llm.engine
-        for i, p in enumerate(prompts((5, 9, 7))): eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-        for _ in range(4): eng.step()                        # prefill and a few decodes
+        for i, p in enumerate(prompts((5, 9, 7))):
+            eng.add_request(
+                f"r{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+            )
+        for _ in range(4):
+            eng.step()  # prefill and a few decodes
         worker = eng.runner.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
         t, outs = time.time(), []
-        while eng.has_unfinished_requests() and time.time() - t < 60: outs += eng.step()
+        while eng.has_unfinished_requests() and time.time() - t < 60:
+            outs += eng.step()
         assert time.time() - t < 60 and not eng.has_unfinished_requests()
         finals = [o for o in outs if o.finished]
-        assert len(finals) == 3 and all(o.outputs[0].finish_reason == "error" and "worker rank 1 exited" in o.error for o in finals), finals
-        assert all(0 < len(o.outputs[0].token_ids) < 50 for o in finals)   # it died mid-run
-        with pytest.raises(EngineStepError, match="worker rank 1 exited"): llm.generate(prompts((5,)), GREEDY, use_tqdm=False)
-    finally: llm.close()
+        assert len(finals) == 3 and all(
+            o.outputs[0].finish_reason == "error" and "worker rank 1 exited" in o.error
+            for o in finals
+        ), finals
+        assert all(0 < len(o.outputs[0].token_ids) < 50 for o in finals)  # it died mid-run
+        with pytest.raises(EngineStepError, match="worker rank 1 exited"):
+            llm.generate(prompts((5,)), GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
 
 def _serve_tp2():
     "Start `hetero-infer serve --tensor-parallel-size 2` on a free port; returns (process, openai client, worker pids)."
     import socket
     from openai import OpenAI
-    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    p = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "hetero-infer"), "serve", "--port", str(port), "--tensor-parallel-size", "2",
-                          "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "hetero-infer"),
+            "serve",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            "2",
+            "--device",
+            "cpu",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30, max_retries=0)
     for _ in range(240):
-        try: client.models.list(); break
+        try:
+            client.models.list()
+            break
         except Exception:
-            if p.poll() is not None: break
+            if p.poll() is not None:
+                break
             time.sleep(0.5)
     return p, client, _children(p.pid)
 
-def _alive(pids): return [k for k in pids if os.path.exists(f"/proc/{k}") and "zombie" not in open(f"/proc/{k}/status").read().lower()]
+
+def _alive(pids):
+    return [
+        k
+        for k in pids
+        if os.path.exists(f"/proc/{k}") and "zombie" not in open(f"/proc/{k}/status").read().lower()
+    ]
+
 
 def _chat(client):
-    return client.chat.completions.create(model="hetero-infer", messages=[{"role": "user", "content": "reverse: a b c"}], max_tokens=8, temperature=0)
+    return client.chat.completions.create(
+        model="hetero-infer",
+        messages=[{"role": "user", "content": "reverse: a b c"}],
+        max_tokens=8,
+        temperature=0,
+    )
+
 
 def test_serve_with_two_ranks_answers_and_leaves_no_process():
     p, client, kids = _serve_tp2()
@@ -105,18 +184,27 @@ def test_serve_with_two_ranks_answers_and_leaves_no_process():
     time.sleep(1)
     assert not _alive(kids), "orphan workers"
 
+
 def test_serve_exits_non_zero_when_a_worker_dies():
     import openai
+
     p, client, kids = _serve_tp2()
     try:
         assert _chat(client).choices[0].message.content == "c b a"
-        for k in kids: os.kill(k, signal.SIGKILL)
-        with pytest.raises(openai.APIStatusError) as e: _chat(client)
-        assert e.value.status_code in (500, 503) and "worker rank 1" in str(e.value.body), e.value.body
-        out, _ = p.communicate(timeout=60)      # the server stops by itself
+        for k in kids:
+            os.kill(k, signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as e:
+            _chat(client)
+        assert e.value.status_code in (500, 503) and "worker rank 1" in str(e.value.body), (
+            e.value.body
+        )
+        out, _ = p.communicate(timeout=60)  # the server stops by itself
     finally:
-        if p.poll() is None: p.kill(); p.communicate()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
     assert p.returncode == 1 and "hetero-infer: error: the engine stopped" in out, out[-2000:]
+
 
 TORCHRUN_SCRIPT = """
 import json, sys
@@ -127,42 +215,111 @@ print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
 llm.close()
 """
 
+
 def test_under_torchrun_the_ranks_come_from_the_environment(tmp_path):
-    import json, socket
+    import json
+    import socket
+
     _model(tmp_path / "m", "llama")
     (tmp_path / "run.py").write_text(TORCHRUN_SCRIPT)
     ps = prompts((4, 11))
-    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), str(tmp_path / "run.py"),
-                        str(tmp_path / "m"), json.dumps(ps)], capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            str(tmp_path / "run.py"),
+            str(tmp_path / "m"),
+            json.dumps(ps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [l for l in r.stdout.splitlines() if l.startswith("TOKENS")]
-    assert len(lines) == 1, r.stdout          # only rank 0 returns from LLM(...)
-    single = LLM(str(tmp_path / "m"), **CPU).generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    assert json.loads(lines[0][len("TOKENS "):]) == [o.outputs[0].token_ids for o in single]
+    assert len(lines) == 1, r.stdout  # only rank 0 returns from LLM(...)
+    single = LLM(str(tmp_path / "m"), **CPU).generate(
+        ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
+    assert json.loads(lines[0][len("TOKENS ") :]) == [o.outputs[0].token_ids for o in single]
+
 
 def test_cli_refuses_an_impossible_split_naming_the_flag():
     exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
-    r = subprocess.run([exe, "generate", "--tensor-parallel-size", "3", "x"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().endswith("hetero-infer: error: --tensor-parallel-size: tensor_parallel_size (3) must divide num_attention_heads (4)"), r.stderr
+    r = subprocess.run(
+        [exe, "generate", "--tensor-parallel-size", "3", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        "hetero-infer: error: --tensor-parallel-size: tensor_parallel_size (3) must divide num_attention_heads (4)"
+    ), r.stderr
     assert "Traceback" not in r.stderr
+
 
 def test_bench_offline_with_two_ranks(tmp_path):
     import json
+
     exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
-    r = subprocess.run([exe, "bench", "offline", "--tensor-parallel-size", "2", "--num-requests", "4", "--peers", "", "--repeats", "1",
-                        "--warmup", "0", "--output", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            exe,
+            "bench",
+            "offline",
+            "--tensor-parallel-size",
+            "2",
+            "--num-requests",
+            "4",
+            "--peers",
+            "",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--output",
+            str(tmp_path / "b.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "b.json").read_text())
-    assert res["config"]["tensor_parallel_size"] == 2 and "tensor_parallel_size=2" in res["results"][0]["system"], res["results"][0]
+    assert (
+        res["config"]["tensor_parallel_size"] == 2
+        and "tensor_parallel_size=2" in res["results"][0]["system"]
+    ), res["results"][0]
+
 
 def test_code_from_stdin_is_refused_at_once():
     "Workers re-import the main script; from stdin they cannot: a clear error in seconds, not a 2-minute rendezvous timeout."
-    import subprocess, sys, time
+    import subprocess
+    import sys
+    import time
+
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-"], input='from hetero_infer.engine import LLM\nLLM(device="cpu", tensor_parallel_size=2)\n',
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode != 0 and "tensor_parallel_size: worker processes re-import the main script" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-"],
+        input='from hetero_infer.engine import LLM\nLLM(device="cpu", tensor_parallel_size=2)\n',
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert (
+        r.returncode != 0
+        and "tensor_parallel_size: worker processes re-import the main script" in r.stderr
+    )
     assert time.monotonic() - t < 60

@@ -1,8 +1,11 @@
 """Speculative decoding (12_speculative_decoding): greedy output with either proposer equals greedy output without it, for every
 family and under prefix caching, chunked prefill, preemption and stop strings; sampled output keeps the target's distribution
 (chi-square against the exact distribution); blocks all come back, and the prefix cache holds only KV of accepted tokens."""
-import json, math
-import pytest, torch
+
+import json
+import math
+import pytest
+import torch
 from hetero_infer.core import EngineConfig, SamplingParams
 from hetero_infer.engine import LLM
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
@@ -14,26 +17,48 @@ from hetero_infer.demo import DEMO_MODEL_DIR, format_prompt
 CPU = dict(device="cpu", dtype="float32", block_size=8)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 
+
 def looping_prompts(vocab=256, seed=1):
     "Prompts with repeats in them, so prompt lookup finds something (a random model's greedy output also loops)."
     g = torch.Generator().manual_seed(seed)
     base = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 9, 13)]
-    return [base[0] * 3, base[1] + base[0] + base[1][:4], base[2], base[1] * 2 + [7], base[2][:3] * 4]
+    return [
+        base[0] * 3,
+        base[1] + base[0] + base[1][:4],
+        base[2],
+        base[1] * 2 + [7],
+        base[2][:3] * 4,
+    ]
+
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_ckpt(request, tmp_path_factory):
     "A tiny random model of each family, its 1-layer truncated draft, and its plain greedy outputs."
     path = tmp_path_factory.mktemp(request.param)
-    hf = tiny_hf_checkpoint(path, request.param, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = tiny_hf_checkpoint(
+        path,
+        request.param,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     draft = truncated_draft(path, path / "draft", 1)
     ps = looping_prompts()
     ref = LLM(str(path), num_blocks=128, **CPU).generate(ps + ps[:2], GREEDY, use_tqdm=False)
-    for p, o in zip(ps, ref):                                       # the reference is transformers' greedy output too
+    for p, o in zip(ps, ref):  # the reference is transformers' greedy output too
         with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=GREEDY.max_tokens,
-                               do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+            want = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )[0, len(p) :].tolist()
         assert o.outputs[0].token_ids == want
     return path, draft, ps, ref
+
 
 def same(a, b):
     for x, y in zip(a, b):
@@ -42,145 +67,314 @@ def same(a, b):
         want = [lp[t].logprob for lp, t in zip(y.outputs[0].logprobs, y.outputs[0].token_ids)]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-4, rtol=1e-4)
 
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_equals_plain(family_ckpt, method):
     "Both proposers, prefix caching (prompts repeated), and then chunked prefill with preemption in a 10-block cache."
     path, draft, ps, ref = family_ckpt
-    kw = dict(speculative_method=method, num_speculative_tokens=3, speculative_model=draft if method == "draft" else None)
+    kw = dict(
+        speculative_method=method,
+        num_speculative_tokens=3,
+        speculative_model=draft if method == "draft" else None,
+    )
     llm = LLM(str(path), num_blocks=128, enable_prefix_caching=True, **CPU, **kw)
     same(llm.generate(ps, GREEDY, use_tqdm=False), ref[:5])
-    same(llm.generate(ps[:2], GREEDY, use_tqdm=False), ref[5:])        # prompts seen before: their full blocks come from the cache
+    same(
+        llm.generate(ps[:2], GREEDY, use_tqdm=False), ref[5:]
+    )  # prompts seen before: their full blocks come from the cache
     st = llm.engine.stats
     assert st["speculative"]["num_draft_tokens"] > 0 and st["prefix_cache"]["cache_hits"] > 0
-    if method == "ngram": assert st["speculative"]["num_accepted_tokens"] > 0
+    if method == "ngram":
+        assert st["speculative"]["num_accepted_tokens"] > 0
     tight = LLM(str(path), num_blocks=10, max_num_batched_tokens=16, max_model_len=64, **CPU, **kw)
     same(tight.generate(ps, GREEDY, use_tqdm=False), ref)
     assert tight.engine.stats["preemptions"] > 0
     assert tight.engine.block_manager.num_free_blocks() == 10
 
+
 def test_draft_equal_to_target_accepts_everything(tmp_path):
     path = tmp_path / "m"
-    tiny_hf_checkpoint(path, "llama", initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    llm = LLM(str(path), num_blocks=64, **CPU, speculative_method="draft", speculative_model=str(path), num_speculative_tokens=4)
+    tiny_hf_checkpoint(
+        path,
+        "llama",
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    llm = LLM(
+        str(path),
+        num_blocks=64,
+        **CPU,
+        speculative_method="draft",
+        speculative_model=str(path),
+        num_speculative_tokens=4,
+    )
     ps = looping_prompts()
     llm.generate(ps, GREEDY, use_tqdm=False)
     st = llm.engine.stats["speculative"]
     assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0
-    llm.generate(ps, SamplingParams(temperature=0.8, top_k=50, max_tokens=24, ignore_eos=True, seed=1), use_tqdm=False)
-    assert llm.engine.stats["speculative"]["acceptance_rate"] > 0.98   # p == q up to float rounding across batch shapes
+    llm.generate(
+        ps,
+        SamplingParams(temperature=0.8, top_k=50, max_tokens=24, ignore_eos=True, seed=1),
+        use_tqdm=False,
+    )
+    assert (
+        llm.engine.stats["speculative"]["acceptance_rate"] > 0.98
+    )  # p == q up to float rounding across batch shapes
 
-def demo(**kw): return LLM(device="cpu", **kw)
+
+def demo(**kw):
+    return LLM(device="cpu", **kw)
+
 
 def test_stops_inside_an_accepted_run():
     "On the demo model a sorted input is copied, so whole runs are accepted: stop strings, max_tokens and min_tokens cut inside them."
     q = [format_prompt("sort: a b c d e f g h"), format_prompt("sort: b c d e f g h i")]
     plain, spec = demo(), demo(speculative_method="ngram", num_speculative_tokens=5)
-    for sp in (SamplingParams(temperature=0, max_tokens=16, stop=["e f"]), SamplingParams(temperature=0, max_tokens=16, stop=["d"], include_stop_str_in_output=True),
-               SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[285]),
-               SamplingParams(temperature=0, max_tokens=16, min_tokens=12)):
+    for sp in (
+        SamplingParams(temperature=0, max_tokens=16, stop=["e f"]),
+        SamplingParams(temperature=0, max_tokens=16, stop=["d"], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[285]),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=12),
+    ):
         a, b = plain.generate(q, sp, use_tqdm=False), spec.generate(q, sp, use_tqdm=False)
         for x, y in zip(a, b):
-            assert (y.outputs[0].text, y.outputs[0].token_ids, y.outputs[0].finish_reason, y.outputs[0].stop_reason) == \
-                   (x.outputs[0].text, x.outputs[0].token_ids, x.outputs[0].finish_reason, x.outputs[0].stop_reason), sp
+            assert (
+                y.outputs[0].text,
+                y.outputs[0].token_ids,
+                y.outputs[0].finish_reason,
+                y.outputs[0].stop_reason,
+            ) == (
+                x.outputs[0].text,
+                x.outputs[0].token_ids,
+                x.outputs[0].finish_reason,
+                x.outputs[0].stop_reason,
+            ), sp
     st = spec.engine.stats["speculative"]
     assert st["num_accepted_tokens"] >= 20 and st["accepted_per_position"][4] > 0
     assert spec.engine.block_manager.num_free_blocks() == spec.engine.config.num_blocks
 
+
 def test_penalties_n2_and_abort_with_speculation(tmp_path):
     path = tmp_path / "m"
-    tiny_hf_checkpoint(path, "qwen2", initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    tiny_hf_checkpoint(
+        path,
+        "qwen2",
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     ps = looping_prompts()
-    plain, spec = LLM(str(path), num_blocks=64, **CPU), LLM(str(path), num_blocks=64, **CPU, speculative_method="ngram", num_speculative_tokens=4)
-    sp = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)
+    plain, spec = (
+        LLM(str(path), num_blocks=64, **CPU),
+        LLM(str(path), num_blocks=64, **CPU, speculative_method="ngram", num_speculative_tokens=4),
+    )
+    sp = SamplingParams(
+        n=2,
+        temperature=0,
+        max_tokens=20,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.2,
+    )
     a, b = plain.generate(ps, sp, use_tqdm=False), spec.generate(ps, sp, use_tqdm=False)
-    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    assert [[c.token_ids for c in o.outputs] for o in a] == [
+        [c.token_ids for c in o.outputs] for o in b
+    ]
     assert sorted(c.index for c in b[0].outputs) == [0, 1]
     eng = spec.engine
     eng.add_request("x", ps[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    for _ in range(4): eng.step()
+    for _ in range(4):
+        eng.step()
     eng.abort_request("x")
-    while eng.has_unfinished_requests(): eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
     assert eng.block_manager.num_free_blocks() == 64
 
-def chi2_sf(x: float, dof: int) -> float: return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
 
-@pytest.mark.parametrize("method,params", [("ngram", dict(temperature=1.0)), ("draft", dict(temperature=0.8, top_k=6, top_p=0.9)),
-                                           ("draft", dict(temperature=1.0, min_p=0.05, repetition_penalty=1.5, presence_penalty=0.6, frequency_penalty=0.3))])
+def chi2_sf(x: float, dof: int) -> float:
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("ngram", dict(temperature=1.0)),
+        ("draft", dict(temperature=0.8, top_k=6, top_p=0.9)),
+        (
+            "draft",
+            dict(
+                temperature=1.0,
+                min_p=0.05,
+                repetition_penalty=1.5,
+                presence_penalty=0.6,
+                frequency_penalty=0.3,
+            ),
+        ),
+    ],
+)
 def test_sampled_distribution_is_the_targets(tmp_path, method, params):
     "Tokens 2 and 3 of 3000 seeded samples on an 8-token vocabulary follow the exact target distribution (chi-square, p > 0.001)."
     V, path, dpath = 8, tmp_path / "m", tmp_path / "d"
-    model = tiny_hf_checkpoint(path, "llama", vocab_size=V, initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    truncated_draft(path, dpath, 1)                                  # a correlated draft: accepted often, rejected often
+    model = tiny_hf_checkpoint(
+        path,
+        "llama",
+        vocab_size=V,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    truncated_draft(path, dpath, 1)  # a correlated draft: accepted often, rejected often
     prompt, N = [1, 2, 3, 1, 2, 5, 1, 2], 3000
     sp = [SamplingParams(max_tokens=3, ignore_eos=True, seed=i, **params) for i in range(N)]
-    llm = LLM(str(path), num_blocks=512, max_num_seqs=256, **CPU, speculative_method=method, num_speculative_tokens=2,
-              speculative_model=str(dpath) if method == "draft" else None)
+    llm = LLM(
+        str(path),
+        num_blocks=512,
+        max_num_seqs=256,
+        **CPU,
+        speculative_method=method,
+        num_speculative_tokens=2,
+        speculative_model=str(dpath) if method == "draft" else None,
+    )
     outs = llm.generate([prompt] * N, sp, use_tqdm=False)
     st = llm.engine.stats["speculative"]
-    assert 0.05 < st["acceptance_rate"] < 0.95        # both the accept and the reject paths ran
-    def probs(ctx):                                                  # the plain sampler's distribution after `ctx` (penalties included)
-        with torch.no_grad(): x = model(torch.tensor([ctx])).logits[0, -1].float()
+    assert 0.05 < st["acceptance_rate"] < 0.95  # both the accept and the reject paths ran
+
+    def probs(ctx):  # the plain sampler's distribution after `ctx` (penalties included)
+        with torch.no_grad():
+            x = model(torch.tensor([ctx])).logits[0, -1].float()
         p = SamplingParams(**params)
         x = Sampler().adjust_logits(x[None], [Sequence(0, "r", ctx, len(prompt), p)])
-        return sampling_probs(x, torch.tensor([p.temperature]), torch.tensor([min(p.top_k, V) if p.top_k > 0 else V]),
-                              torch.tensor([p.top_p]), torch.tensor([p.min_p]))[0]
+        return sampling_probs(
+            x,
+            torch.tensor([p.temperature]),
+            torch.tensor([min(p.top_k, V) if p.top_k > 0 else V]),
+            torch.tensor([p.top_p]),
+            torch.tensor([p.min_p]),
+        )[0]
+
     p1 = probs(prompt)
-    exact = torch.zeros(V, V, V, dtype=torch.float64)                # P(t1, t2, t3)
+    exact = torch.zeros(V, V, V, dtype=torch.float64)  # P(t1, t2, t3)
     for a in range(V):
-        if p1[a] == 0: continue
+        if p1[a] == 0:
+            continue
         p2 = probs(prompt + [a])
         for b in range(V):
-            if p2[b] > 0: exact[a, b] = p1[a] * p2[b] * probs(prompt + [a, b]).double()
+            if p2[b] > 0:
+                exact[a, b] = p1[a] * p2[b] * probs(prompt + [a, b]).double()
     seen = torch.zeros(V, V, V, dtype=torch.float64)
-    for o in outs: seen[tuple(o.outputs[0].token_ids)] += 1
+    for o in outs:
+        seen[tuple(o.outputs[0].token_ids)] += 1
     e, s = exact.flatten() * N, seen.flatten()
-    assert s[e == 0].sum() == 0                                      # nothing outside the filtered support
-    big = e >= 5                                                     # pool the cells with small expected counts
+    assert s[e == 0].sum() == 0  # nothing outside the filtered support
+    big = e >= 5  # pool the cells with small expected counts
     e_, s_ = torch.cat([e[big], e[~big].sum()[None]]), torch.cat([s[big], s[~big].sum()[None]])
     stat = float(((s_ - e_) ** 2 / e_.clamp_min(1e-9)).sum())
     assert chi2_sf(stat, len(e_) - 1) > 1e-3, (stat, len(e_))
+
 
 def test_seeded_requests_reproduce():
     q = [format_prompt("sort: a b c d e f g"), format_prompt("reverse: q w e r")]
     sp = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
     spec = demo(speculative_method="ngram", num_speculative_tokens=4)
     a = spec.generate(q, sp, use_tqdm=False)
-    b = spec.generate(q[::-1] + q, sp, use_tqdm=False)               # another batch around them
-    assert [o.outputs[0].token_ids for o in a] == [b[1].outputs[0].token_ids, b[0].outputs[0].token_ids]
+    b = spec.generate(q[::-1] + q, sp, use_tqdm=False)  # another batch around them
+    assert [o.outputs[0].token_ids for o in a] == [
+        b[1].outputs[0].token_ids,
+        b[0].outputs[0].token_ids,
+    ]
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b[2:]]
+
 
 def test_prefix_cache_holds_only_accepted_kv(tmp_path):
     "A draft that is mostly rejected writes KV for many rejected tokens: none of it is cached, and reusing the cache changes nothing."
     path, dpath = tmp_path / "m", tmp_path / "d"
-    tiny_hf_checkpoint(path, "llama", initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    tiny_hf_checkpoint(dpath, "llama", seed=9, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    tiny_hf_checkpoint(
+        path,
+        "llama",
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    tiny_hf_checkpoint(
+        dpath,
+        "llama",
+        seed=9,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     ps, sp = looping_prompts(), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    llm = LLM(str(path), num_blocks=128, **CPU, speculative_method="draft", speculative_model=str(dpath), num_speculative_tokens=4)
+    llm = LLM(
+        str(path),
+        num_blocks=128,
+        **CPU,
+        speculative_method="draft",
+        speculative_model=str(dpath),
+        num_speculative_tokens=4,
+    )
     outs = llm.generate(ps, sp, use_tqdm=False)
     bm = llm.engine.block_manager
-    assert llm.engine.stats["speculative"]["acceptance_rate"] < 0.5 and bm.num_free_blocks() == bm.num_blocks
+    assert (
+        llm.engine.stats["speculative"]["acceptance_rate"] < 0.5
+        and bm.num_free_blocks() == bm.num_blocks
+    )
     written = set()
     for o in outs:
         toks = o.prompt_token_ids + o.outputs[0].token_ids
-        written |= {tuple(toks[i:i + 8]) for i in range(0, len(toks) - 7, 8)}
+        written |= {tuple(toks[i : i + 8]) for i in range(0, len(toks) - 7, 8)}
     cached = [bm.blocks[b].token_ids for b in bm.cached.values()]
     assert cached and all(t in written for t in cached)
-    again = LLM(str(path), num_blocks=128, **CPU).generate([o.prompt_token_ids + o.outputs[0].token_ids[:20] for o in outs], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    reuse = llm.generate([o.prompt_token_ids + o.outputs[0].token_ids[:20] for o in outs], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    again = LLM(str(path), num_blocks=128, **CPU).generate(
+        [o.prompt_token_ids + o.outputs[0].token_ids[:20] for o in outs],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
+    reuse = llm.generate(
+        [o.prompt_token_ids + o.outputs[0].token_ids[:20] for o in outs],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert all(r.num_cached_tokens > 0 for r in reuse)
     assert [r.outputs[0].token_ids for r in reuse] == [r.outputs[0].token_ids for r in again]
 
+
 def test_ngram_propose():
-    assert ngram_propose([1, 2, 3, 9, 1, 2], 2) == [3, 9]              # the longest suffix [1, 2] matched, then what followed
-    assert ngram_propose([1, 2, 3, 4, 2, 3, 5, 3], 3) == [5, 3]      # latest occurrence of [3]: the one before 5
+    assert ngram_propose([1, 2, 3, 9, 1, 2], 2) == [
+        3,
+        9,
+    ]  # the longest suffix [1, 2] matched, then what followed
+    assert ngram_propose([1, 2, 3, 4, 2, 3, 5, 3], 3) == [
+        5,
+        3,
+    ]  # latest occurrence of [3]: the one before 5
     assert ngram_propose([4, 5, 6], 3) == []
-    assert ngram_propose([7, 7, 7], 2, n_min=1, n_max=2) == [7]       # a match may run into the suffix itself
+    assert ngram_propose([7, 7, 7], 2, n_min=1, n_max=2) == [
+        7
+    ]  # a match may run into the suffix itself
+
 
 def test_config_errors_name_the_field(tmp_path):
-    for kw, field in [(dict(speculative_method="medusa"), "speculative_method"), (dict(speculative_method="draft"), "speculative_model"),
-                      (dict(num_speculative_tokens=0, speculative_method="ngram"), "num_speculative_tokens"),
-                      (dict(speculative_model="x"), "speculative_model"), (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min")]:
-        with pytest.raises(ValueError, match=field): EngineConfig(**kw)
+    for kw, field in [
+        (dict(speculative_method="medusa"), "speculative_method"),
+        (dict(speculative_method="draft"), "speculative_model"),
+        (dict(num_speculative_tokens=0, speculative_method="ngram"), "num_speculative_tokens"),
+        (dict(speculative_model="x"), "speculative_model"),
+        (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**kw)
     other = tmp_path / "v"
     tiny_hf_checkpoint(other, "llama", vocab_size=300)
     with pytest.raises(ValueError, match="speculative_model.*vocab_size"):
@@ -188,9 +382,14 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="speculative_model"):
         LLM(device="cpu", speculative_method="draft", speculative_model=str(tmp_path / "missing"))
 
+
 def test_verification_through_the_triton_backend():
     "The verification chunk runs through the Triton kernels too (the interpreter on a CPU): same greedy tokens, proposals accepted."
-    qs = [format_prompt("sort: a b c d e f g h"), format_prompt("reverse: a b c"), format_prompt("sort: b a c d e")]
+    qs = [
+        format_prompt("sort: a b c d e f g h"),
+        format_prompt("reverse: a b c"),
+        format_prompt("sort: b a c d e"),
+    ]
     sp = SamplingParams(temperature=0, max_tokens=12)
     ref = [o.outputs[0].token_ids for o in demo().generate(qs, sp, use_tqdm=False)]
     llm = demo(attention_backend="triton", speculative_method="ngram", num_speculative_tokens=4)
