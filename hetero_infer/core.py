@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Any
 
+from .hpi_config import hpi_to_ours, is_hpi_format
+
 # %% auto #0
 __all__ = [
     "MAX_LOGPROBS",
@@ -20,16 +22,14 @@ __all__ = [
     "DTYPE_ALIASES",
     "DEVICES",
     "ATTENTION_BACKENDS",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
     "SPECULATIVE_METHODS",
     "DEMO_MODEL_DIR",
-    "HPI_KEYS",
-    "TOKENIZER_KINDS",
-    "SERVING_BACKENDS",
     "SamplingParams",
     "ServingConfig",
+    "resolve_model_path",
     "EngineConfig",
-    "is_hpi_format",
-    "to_json",
     "QueueFullError",
     "SequenceStatus",
     "Sequence",
@@ -59,6 +59,27 @@ def _is_num(v) -> bool:
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for per token (OpenAI's limit)
 
 
+def _logit_bias(bias) -> dict[int, float] | None:
+    "`logit_bias` checked: non-negative integer token ids (or their decimal strings) to numbers in [-100, 100]."
+    if bias is None:
+        return None
+    _check(
+        isinstance(bias, dict), "logit_bias", f"must be a dict of token id -> bias, got {bias!r}"
+    )
+    out = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.isdigit():
+            k = int(k)  # JSON object keys are strings
+        _check(_is_int(k) and k >= 0, "logit_bias", f"keys must be token ids >= 0, got {k!r}")
+        _check(
+            _is_num(v) and -100 <= v <= 100,
+            "logit_bias",
+            f"values must be in [-100, 100], got {v!r} for token {k}",
+        )
+        out[k] = float(v)
+    return out
+
+
 @dataclass
 class SamplingParams:
     "How one request picks its tokens and when it stops; every field is checked when built."
@@ -84,13 +105,17 @@ class SamplingParams:
     logprobs: int | None = None  # return this many top logprobs per token, plus the chosen one
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
-    detokenize: bool = True  # False: token ids only, the text stays "" (no detokenizer runs; stop strings need text)
+    # False: token ids only, the text stays "" (no detokenizer runs; stop strings need text)
+    detokenize: bool = True
+    # token id -> bias in [-100, 100], added to the raw logits before anything else (OpenAI's)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
         if self.greedy:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -194,13 +219,26 @@ class SamplingParams:
 
 # %% ../nbs/00_core.ipynb #02a46072
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
+# every spelling vLLM and PyTorch users write -> its name in DTYPES; the one table of them
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
+DEFAULT_HOST = "127.0.0.1"  # where the OpenAI-compatible server listens unless told
+DEFAULT_PORT = 3000  # hetero-paged-infer's port; the server and the CLI use it too
 
 
 def _dtype_name(d):
-    "`d` as one of DTYPES where it is a known spelling: 'half', 'float', or a torch dtype (no torch import needed)."
+    "`d` as one of DTYPES where it is a known spelling (see DTYPE_ALIASES) or a torch dtype."
     if not isinstance(d, str) and str(d).startswith("torch."):
         d = str(d)[len("torch.") :]
     return DTYPE_ALIASES.get(d, d) if isinstance(d, str) else d
@@ -210,11 +248,9 @@ def _dtype_name(d):
 class ServingConfig:
     "Where and as what the OpenAI-compatible server listens."
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str | None = (
-        None  # the name clients send as `model`; None uses the model directory's name
-    )
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    model_name: str | None = None  # the name clients send as `model`; None: the directory's name
     api_key: str | None = None  # when set, requests need `Authorization: Bearer <api_key>`
     max_queued_requests: int = 1024  # beyond this many waiting requests the server answers 503
 
@@ -247,6 +283,34 @@ class ServingConfig:
 
 
 # %% ../nbs/00_core.ipynb #56a43acf
+def resolve_model_path(path, field: str = "model") -> str:
+    "`path` with `~` expanded; ValueError naming `field` unless it is a local directory."
+    _check(
+        isinstance(path, (str, Path)) and str(path) != "",
+        field,
+        f"must be a directory path, got {path!r}",
+    )
+    path = str(path)
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return str(p)
+    if p.exists():
+        raise ValueError(
+            f"{field}: {path} is a file; give the checkpoint directory that holds config.json "
+            "and *.safetensors"
+        )
+    parts = path.split("/")
+    if len(parts) == 2 and all(parts) and not path.startswith((".", "~")):
+        raise ValueError(
+            f"{field}: {path!r} is not a local directory. hetero-infer loads local checkpoint "
+            "directories only and never downloads; on a machine with internet run "
+            f"`huggingface-cli download {path} --local-dir ./{parts[1]}` (or `hf download "
+            f"{path} --local-dir ./{parts[1]}`), copy the directory here, and pass ./{parts[1]}"
+        )
+    raise ValueError(f"{field}: no such directory: {path}")
+
+
+# %% ../nbs/00_core.ipynb #d089d396
 @dataclass
 class EngineConfig:
     "Everything that shapes the engine: model, cache geometry, batch limits."
@@ -258,32 +322,22 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # KV-cache blocks; None derives it from free memory
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (weights + cache)
-    memory_threshold: float = (
-        0.95  # no new prefill once KV usage would pass this share of the blocks
-    )
+    memory_threshold: float = 0.95  # no new prefill once KV usage would pass this share of blocks
     max_num_seqs: int = 256  # most sequences in one step
-    max_admitted_seqs: int | None = (
-        None  # most sequences admitted at all (running + waiting, each of n counts); None: no bound
-    )
+    # most sequences admitted at all (running + waiting, each of n counts); None: no bound
+    max_admitted_seqs: int | None = None
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
     max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     enable_chunked_prefill: bool = True  # split long prompts across steps, beside decodes
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     seed: int = 0  # seed of the engine's default generator
-    max_retry_attempts: int = (
-        2  # retries of a request whose step raised, before it ends with finish_reason "error"
-    )
-    tensor_parallel_size: int = (
-        1  # processes (ranks) one model is split across (13_tensor_parallel)
-    )
-    speculative_method: str | None = (
-        None  # None, "ngram" (prompt lookup) or "draft" (a smaller model): 12_speculative_decoding
-    )
+    max_retry_attempts: int = 2  # retries of a request whose step raised, then "error"
+    tensor_parallel_size: int = 1  # processes (ranks) one model is split across (13)
+    # None, "ngram" (prompt lookup) or "draft" (a smaller model): 12_speculative_decoding
+    speculative_method: str | None = None
     num_speculative_tokens: int = 3  # tokens proposed per sequence per step when speculating
-    speculative_model: str | None = (
-        None  # the draft checkpoint directory (speculative_method="draft")
-    )
+    speculative_model: str | None = None  # the draft checkpoint (speculative_method="draft")
     prompt_lookup_min: int = 1  # shortest n-gram the ngram proposer matches
     prompt_lookup_max: int = 3  # longest n-gram it tries first
     serving: ServingConfig = field(default_factory=ServingConfig)
@@ -294,27 +348,25 @@ class EngineConfig:
         _check(
             isinstance(self.serving, ServingConfig),
             "serving",
-            f"must be an object (host, port, model_name, api_key, max_queued_requests), got {self.serving!r}",
+            "must be an object (host, port, model_name, api_key, max_queued_requests), "
+            f"got {self.serving!r}",
         )
-        _check(
-            self.model is None or isinstance(self.model, (str, Path)),
-            "model",
-            f"must be a path or None, got {self.model!r}",
-        )
-        if isinstance(self.model, Path):
-            self.model = str(self.model)
-        _check(
-            self.tokenizer is None or isinstance(self.tokenizer, (str, Path)),
-            "tokenizer",
-            f"must be a path or None, got {self.tokenizer!r}",
-        )
-        if isinstance(self.tokenizer, Path):
-            self.tokenizer = str(self.tokenizer)
+        for name in ("model", "tokenizer"):
+            v = getattr(self, name)
+            _check(
+                v is None or isinstance(v, (str, Path)),
+                name,
+                f"must be a path or None, got {v!r}",
+            )
+            if v is not None:
+                setattr(self, name, resolve_model_path(v, name))
         self.dtype = _dtype_name(self.dtype)
         _check(
             self.dtype in DTYPES,
             "dtype",
-            f"must be one of {DTYPES} (or {', '.join(DTYPE_ALIASES)}, or a torch dtype), got {self.dtype!r}",
+            f"must be one of {DTYPES} (or {', '.join(a for a in DTYPE_ALIASES if a not in DTYPES)}, "
+            "or a torch dtype), "
+            f"got {self.dtype!r}",
         )
         _check(
             self.device in DEVICES
@@ -386,7 +438,8 @@ class EngineConfig:
             _check(
                 self.max_num_batched_tokens >= self.max_model_len,
                 "max_num_batched_tokens",
-                f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}",
+                f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
+                f"got {self.max_num_batched_tokens}",
             )
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             _check(
@@ -396,54 +449,89 @@ class EngineConfig:
             )
         _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
 
+    def _check_speculative(self):
+        "The speculative-decoding fields agree with each other."
+        m = self.speculative_method
+        _check(
+            m is None or m in SPECULATIVE_METHODS,
+            "speculative_method",
+            f"must be None or one of {SPECULATIVE_METHODS}, got {m!r}",
+        )
+        _check(
+            _is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+            "num_speculative_tokens",
+            f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}",
+        )
+        _check(
+            self.speculative_model is None or isinstance(self.speculative_model, (str, Path)),
+            "speculative_model",
+            f"must be a path or None, got {self.speculative_model!r}",
+        )
+        _check(
+            m != "draft" or self.speculative_model is not None,
+            "speculative_model",
+            "must name the draft checkpoint directory when speculative_method is 'draft'",
+        )
+        _check(
+            m == "draft" or self.speculative_model is None,
+            "speculative_model",
+            f"is only used with speculative_method='draft', got speculative_method={m!r}",
+        )
+        if self.speculative_model is not None:
+            self.speculative_model = resolve_model_path(self.speculative_model, "speculative_model")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            _check(
+                _is_int(getattr(self, name)) and getattr(self, name) >= 1,
+                name,
+                f"must be an integer >= 1, got {getattr(self, name)!r}",
+            )
+        _check(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min",
+            f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
+            f"got {self.prompt_lookup_min}",
+        )
+
+    def to_dict(self) -> dict:
+        "The config as a plain dict, our field names."
+        return asdict(self)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        "The config as JSON (our names), also written to `path` when given."
+        s = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(s)
+        return s
+
+    @classmethod
+    def from_json(cls, src: str | Path | dict) -> EngineConfig:
+        "A config from a JSON file path, a JSON string or a dict, ours or hetero-paged-infer's."
+        if not isinstance(src, (str, Path)):
+            return cls.from_dict(src)
+        if isinstance(src, str) and src.lstrip().startswith("{"):
+            text = src
+        else:
+            try:
+                text = Path(src).read_text()
+            except OSError as e:
+                raise ValueError(
+                    f"config file {str(src)!r} cannot be read: {e.strerror or e}"
+                ) from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineConfig:
+        "A config from a dict in our format or hetero-paged-infer's (see `hpi_config`)."
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+        return _build(cls, hpi_to_ours(d) if is_hpi_format(d) else d)
+
 
 SPECULATIVE_METHODS = ("ngram", "draft")
-
-
-def _check_speculative(self: EngineConfig):
-    "The speculative-decoding fields agree with each other."
-    m = self.speculative_method
-    _check(
-        m is None or m in SPECULATIVE_METHODS,
-        "speculative_method",
-        f"must be None or one of {SPECULATIVE_METHODS}, got {m!r}",
-    )
-    _check(
-        _is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
-        "num_speculative_tokens",
-        f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}",
-    )
-    _check(
-        self.speculative_model is None or isinstance(self.speculative_model, (str, Path)),
-        "speculative_model",
-        f"must be a path or None, got {self.speculative_model!r}",
-    )
-    if isinstance(self.speculative_model, Path):
-        self.speculative_model = str(self.speculative_model)
-    _check(
-        m != "draft" or self.speculative_model is not None,
-        "speculative_model",
-        "must name the draft checkpoint directory when speculative_method is 'draft'",
-    )
-    _check(
-        m == "draft" or self.speculative_model is None,
-        "speculative_model",
-        f"is only used with speculative_method='draft', got speculative_method={m!r}",
-    )
-    for name in ("prompt_lookup_min", "prompt_lookup_max"):
-        _check(
-            _is_int(getattr(self, name)) and getattr(self, name) >= 1,
-            name,
-            f"must be an integer >= 1, got {getattr(self, name)!r}",
-        )
-    _check(
-        self.prompt_lookup_min <= self.prompt_lookup_max,
-        "prompt_lookup_min",
-        f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}",
-    )
-
-
-EngineConfig._check_speculative = _check_speculative
 
 
 def _build(cls, d: dict, prefix: str = ""):
@@ -454,7 +542,8 @@ def _build(cls, d: dict, prefix: str = ""):
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(
-            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; known: {', '.join(sorted(known))}"
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+            f"known: {', '.join(sorted(known))}"
         )
     return cls(**d)
 
@@ -467,141 +556,6 @@ _PKG_DIR = (
     else Path(importlib.util.find_spec("hetero_infer").origin).parent
 )
 DEMO_MODEL_DIR = _PKG_DIR / "demo_model"  # the shipped demo checkpoint (08_demo_model)
-
-# %% ../nbs/00_core.ipynb #61bbf52a
-HPI_KEYS = {
-    "max_num_blocks": "num_blocks",
-    "max_batch_size": "max_num_seqs",
-    "max_total_tokens": "max_num_batched_tokens",
-    "max_num_seqs": "max_admitted_seqs",
-}  # hetero-paged-infer's config key -> ours
-TOKENIZER_KINDS = ("simple", "huggingface")  # both are Hugging Face tokenizers here
-SERVING_BACKENDS = ("local_engine",)  # "command_bridge" is refused: see _hpi_serving
-
-
-def is_hpi_format(d: dict) -> bool:
-    "Whether config dict `d` is in hetero-paged-infer's format: it has a key only that format has."
-    serving = d.get("serving")
-    return (
-        any(k in d for k in ("max_batch_size", "max_total_tokens", "max_num_blocks"))
-        or isinstance(d.get("tokenizer"), dict)
-        or (isinstance(serving, dict) and "backend" in serving)
-    )
-
-
-# %% ../nbs/00_core.ipynb #b0f4b0de
-def _hpi_tokenizer(tok: dict) -> str | None:
-    "Our `tokenizer` field from hetero-paged-infer's `{kind, path}` object."
-    unknown = sorted(set(tok) - {"kind", "path"})
-    if unknown:
-        raise ValueError(
-            f"unknown config key(s) {', '.join('tokenizer.' + k for k in unknown)}; known: kind, path"
-        )
-    kind, path = tok.get("kind", "huggingface"), tok.get("path")
-    _check(
-        kind in TOKENIZER_KINDS,
-        "tokenizer.kind",
-        f"must be one of {TOKENIZER_KINDS} (both load a Hugging Face tokenizer), got {kind!r}",
-    )
-    _check(
-        path is None or (isinstance(path, str) and path),
-        "tokenizer.path",
-        f"must be a directory path or null (the model's own tokenizer), got {path!r}",
-    )
-    return path
-
-
-def _hpi_serving(serving: dict) -> dict:
-    "`serving` without its `backend` object, after checking that the backend is this engine."
-    serving = dict(serving)
-    be = serving.pop("backend", None)
-    if be is None:
-        return serving
-    if not isinstance(be, dict):
-        raise ValueError(f"serving.backend must be an object, got {be!r}")
-    unknown = sorted(set(be) - {"kind", "command"})
-    if unknown:
-        raise ValueError(
-            f"unknown config key(s) {', '.join('serving.backend.' + k for k in unknown)}; known: kind, command"
-        )
-    kind = be.get("kind", "local_engine")
-    if kind == "command_bridge":
-        raise ValueError(
-            "serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine "
-            "runs the model in-process and batches requests itself; use 'local_engine'"
-        )
-    _check(
-        kind in SERVING_BACKENDS,
-        "serving.backend.kind",
-        f"must be 'local_engine' (the model runs in this process), got {kind!r}",
-    )
-    _check(
-        be.get("command") is None,
-        "serving.backend.command",
-        f"must be null: only 'command_bridge' uses a command, got {be.get('command')!r}",
-    )
-    return serving
-
-
-# %% ../nbs/00_core.ipynb #51f85c7d
-def _from_dict(cls, d: dict) -> EngineConfig:
-    "Build an `EngineConfig` from a config dict in our format or hetero-paged-infer's."
-    if not isinstance(d, dict):
-        raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
-    if not is_hpi_format(d):
-        return _build(cls, d)
-    src, d = d, {k: v for k, v in d.items() if k not in HPI_KEYS}
-    for old, new in HPI_KEYS.items():
-        if old not in src:
-            continue
-        if new in src and new not in HPI_KEYS and src[new] != src[old]:
-            raise ValueError(
-                f"{old} ({src[old]!r}) and {new} ({src[new]!r}) disagree; give one of them"
-            )
-        d[new] = src[old]
-    if isinstance(d.get("tokenizer"), dict):
-        d["tokenizer"] = _hpi_tokenizer(d["tokenizer"])
-    if isinstance(d.get("serving"), dict):
-        d["serving"] = _hpi_serving(d["serving"])
-    return _build(cls, d)
-
-
-def _to_dict(self: EngineConfig) -> dict:
-    return asdict(self)
-
-
-def _from_json(cls, src: str | Path | dict) -> EngineConfig:
-    "Load a config from a JSON file path, a JSON string, or a dict, in our format or hetero-paged-infer's."
-    if not isinstance(src, (str, Path)):
-        return _from_dict(cls, src)
-    if isinstance(src, str) and src.lstrip().startswith("{"):
-        text = src
-    else:
-        try:
-            text = Path(src).read_text()
-        except OSError as e:
-            raise ValueError(
-                f"config file {str(src)!r} cannot be read: {e.strerror or e}"
-            ) from None
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config is not valid JSON: {e}") from None
-    return _from_dict(cls, d)
-
-
-def to_json(self: EngineConfig, path: str | Path | None = None) -> str:
-    "The config as JSON (our names), also written to `path` when given."
-    s = json.dumps(_to_dict(self), indent=2)
-    if path is not None:
-        Path(path).write_text(s)
-    return s
-
-
-EngineConfig.from_json = classmethod(
-    _from_json
-)  # attached, not decorated: mutmut mutates decorated functions badly
-EngineConfig.to_json, EngineConfig.to_dict = to_json, _to_dict
 
 
 # %% ../nbs/00_core.ipynb #9e69ea3e

@@ -28,6 +28,13 @@ from hetero_infer.core import (
     DEMO_MODEL_DIR,
 )
 from .block_manager import BlockManager
+from hetero_infer.tokenization import (
+    IncrementalDetokenizer,
+    check_text,
+    find_stop_string,
+    load_tokenizer,
+    render_chat,
+)
 from .scheduler import Scheduler, SchedulerOutput
 from .model import ModelRunner, dtype_name
 from .parallel import make_runner
@@ -36,11 +43,7 @@ from .speculative import Speculator
 
 # %% auto #0
 __all__ = [
-    "TOKENIZER_FILES",
     "PROMPT_KEYS",
-    "IncrementalDetokenizer",
-    "load_tokenizer",
-    "find_stop_string",
     "LLMEngine",
     "add_request",
     "step",
@@ -54,73 +57,6 @@ __all__ = [
     "engine_kwargs",
     "LLM",
 ]
-
-
-# %% ../nbs/07_engine.ipynb #0cd57833
-class IncrementalDetokenizer:
-    "Turns a growing list of token ids into text a few tokens at a time."
-
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: list[int],
-        skip_special_tokens: bool = True,
-        context: int = 5,
-    ):
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.ids = list(prompt_token_ids[-context:])  # a little left context, never emitted
-        self.prefix_offset, self.read_offset = 0, len(self.ids)
-        self.text = ""
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False
-        )
-
-    def add(self, token_id: int) -> str:
-        "Append one token; return the text it completes (maybe empty)."
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        delta = after[len(before) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
-        return delta
-
-
-# %% ../nbs/07_engine.ipynb #a36760bc
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def load_tokenizer(
-    path: str | Path | None, required: bool = False
-):  # True for a tokenizer the user named: a directory without one is an error
-    "The HF tokenizer in `path`, or None when the directory has none (prompts must then be token ids)."
-    from transformers import AutoTokenizer
-
-    p = Path(path) if path is not None else None
-    if p is None or not any((p / f).exists() for f in TOKENIZER_FILES):
-        if required:
-            raise ValueError(
-                f"tokenizer: {str(path)!r} is not a directory holding a tokenizer (none of {', '.join(TOKENIZER_FILES)})"
-            )
-        return None
-    return AutoTokenizer.from_pretrained(str(p))
-
-
-# %% ../nbs/07_engine.ipynb #0a87681e
-def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
-    "The first stop string in `text` that overlaps its last `new_len` characters, and where it starts."
-    if not stops or new_len == 0:
-        return None
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, len(text) - new_len - len(s) + 1))
-        if i >= 0 and (best is None or i < best[1]):
-            best = (s, i)
-    return best
 
 
 # %% ../nbs/07_engine.ipynb #ac5819d8
@@ -221,7 +157,7 @@ def _tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
             raise ValueError(
                 "prompt: this model directory has no tokenizer; pass token ids instead of text"
             )
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
     ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
     if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError(
@@ -250,6 +186,9 @@ def add_request(
         raise ValueError("prompt must not be empty")
     if min(ids) < 0 or max(ids) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+    bias = params.logit_bias or {}
+    if bias and max(bias) >= vocab:
+        raise ValueError(f"logit_bias: token id {max(bias)} is outside the vocabulary [0, {vocab})")
     if len(ids) >= self.config.max_model_len:
         raise ValueError(
             f"prompt is {len(ids)} tokens, but max_model_len is {self.config.max_model_len} (prompt + at least one generated token must fit)"
@@ -681,19 +620,23 @@ class LLM:
         sampling_params=None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        "Generate replies to one conversation (a list of {role, content}) or a list of conversations."
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        "Replies to one conversation (a list of {role, content}) or to a list of them."
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages must be a non-empty list of messages, got {messages!r}")
+        convs = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
-            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            render_chat(
+                self.engine.tokenizer,
+                c,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
             for c in convs
         ]
-        prompts = [
-            tok.encode(p, add_special_tokens=False) for p in prompts
-        ]  # the template already holds any BOS
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

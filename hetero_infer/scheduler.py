@@ -24,10 +24,18 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step: 1 for a decode, a chunk for a prefill
     slot_mapping: list[int]  # (num_tokens,) cache slot of each of those tokens
+    # logits rows the runner returns for this entry: those of its last `num_logits` tokens.
+    # None: 1 when the chunk reaches the sequence's end (it samples), else 0. Speculative
+    # decoding (12) raises it to k + 1 for a sequence verifying k proposals.
+    num_logits: int | None = None
+
+    def __post_init__(self):
+        if self.num_logits is None:
+            self.num_logits = 1 if self.samples else 0
 
     @property
     def samples(self) -> bool:
-        "Whether this step reaches the sequence's last token, so the model samples its next one (read before `update`)."
+        "Whether this step reaches the sequence's last token (read before `update`)."
         return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
 
 

@@ -451,9 +451,12 @@ class Speculator:
 
     def fit(self, sched: SchedulerOutput) -> None:
         "Keep what the step runs: every proposal of a sequence scheduled whole, the first n - 1 of one given n tokens, none of one left out."
-        n_of = {it.seq.seq_id: it.num_tokens for it in sched.scheduled}
+        item = {it.seq.seq_id: it for it in sched.scheduled}
         for sid, s in list(self.pending.items()):
-            self.strip(s, s.num_spec_tokens - max(n_of.get(sid, 0) - 1, 0))
+            n = item[sid].num_tokens if sid in item else 0
+            self.strip(s, s.num_spec_tokens - max(n - 1, 0))
+            if n:  # the chunk now ends at the last proposal: a row for it and for each proposal
+                item[sid].num_logits = s.num_spec_tokens + 1
             if not s.num_spec_tokens:
                 del self.pending[sid]
                 self.q.pop(sid, None)

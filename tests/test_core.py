@@ -101,11 +101,14 @@ def test_max_num_seqs_means_per_step_in_our_format_and_admitted_in_hpi():
     [
         ("simple", None, None),
         ("huggingface", None, None),
-        ("simple", "/models/tok", "/models/tok"),
-        ("huggingface", "/models/tok", "/models/tok"),
+        ("simple", "tok", "tok"),
+        ("huggingface", "tok", "tok"),
     ],
 )
-def test_tokenizer_kinds_are_hf_tokenizers(kind, path, want):
+def test_tokenizer_kinds_are_hf_tokenizers(kind, path, want, tmp_path):
+    if path is not None:
+        (tmp_path / path).mkdir()
+        path = want = str(tmp_path / path)
     assert EngineConfig.from_json({"tokenizer": {"kind": kind, "path": path}}).tokenizer == want
 
 
@@ -216,14 +219,14 @@ def test_dtype_spellings(given, want):
     assert EngineConfig(dtype=given).dtype == want
 
 
-def test_dtype_torch_objects_and_path_tokenizer():
+def test_dtype_torch_objects_and_path_tokenizer(tmp_path):
     torch = pytest.importorskip("torch")
     assert [
         EngineConfig(dtype=d).dtype for d in (torch.float16, torch.bfloat16, torch.float32)
     ] == ["float16", "bfloat16", "float32"]
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype=torch.int8)
-    assert EngineConfig(tokenizer=Path("/t"), model=Path("/m")).tokenizer == "/t"
+    assert EngineConfig(tokenizer=tmp_path, model=tmp_path).tokenizer == str(tmp_path)
 
 
 # --- every bound of EngineConfig (issue 18: checked in tests/, one case per bound) ---
@@ -419,19 +422,19 @@ BAD = [
         "E",
         {"dtype": "float8"},
         "ValueError",
-        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got 'float8'",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, fp16, bf16, or a torch dtype), got 'float8'",
     ),
     (
         "E",
         {"dtype": None},
         "ValueError",
-        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got None",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, fp16, bf16, or a torch dtype), got None",
     ),
     (
         "E",
         {"dtype": ["float16"]},
         "ValueError",
-        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or half, float, or a torch dtype), got ['float16']",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, fp16, bf16, or a torch dtype), got ['float16']",
     ),
     (
         "E",
@@ -723,16 +726,16 @@ def test_every_refusal_has_its_exact_message(kind, kw, exc, msg):
     assert type(e.value).__name__ == exc and str(e.value) == msg
 
 
-def test_accepted_edges_and_normalizations():
+def test_accepted_edges_and_normalizations(tmp_path):
     assert (
         ServingConfig(port=0).port == 0
         and ServingConfig(port=65535).port == 65535
         and ServingConfig(max_queued_requests=1).max_queued_requests == 1
     )
     c = EngineConfig(
-        model=Path("/m"),
+        model=tmp_path,
         speculative_method="draft",
-        speculative_model=Path("/d"),
+        speculative_model=tmp_path,
         num_speculative_tokens=16,
         prompt_lookup_min=2,
         prompt_lookup_max=2,
@@ -740,8 +743,8 @@ def test_accepted_edges_and_normalizations():
         tensor_parallel_size=1,
     )
     assert (c.model, c.speculative_model, c.num_speculative_tokens, c.block_size) == (
-        "/m",
-        "/d",
+        str(tmp_path),
+        str(tmp_path),
         16,
         256,
     )
@@ -757,8 +760,8 @@ def test_accepted_edges_and_normalizations():
     assert (
         EngineConfig.from_json('  {"seed": 3}').seed == 3
     )  # leading whitespace is still JSON text
-    assert (
-        EngineConfig.from_json({"tokenizer": {"path": "/t"}}).tokenizer == "/t"
+    assert EngineConfig.from_json({"tokenizer": {"path": str(tmp_path)}}).tokenizer == str(
+        tmp_path
     )  # kind defaults to huggingface
     assert (
         EngineConfig.from_json({"serving": {"backend": {"command": None}, "port": 1}}).serving.port

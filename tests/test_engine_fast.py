@@ -910,3 +910,70 @@ def test_prompt_token_ids_must_be_a_list():
     assert llm.generate(
         {"prompt_token_ids": (5, 6, 7)}, SamplingParams(max_tokens=2), use_tqdm=False
     )[0].prompt_token_ids == [5, 6, 7]
+
+
+# --- issue 29: chat templates, text from strangers, paths (items 3, 6, 7, 15, 18) ---
+
+
+def test_chat_template_kwargs_reach_the_template(demo):
+    t = demo.get_tokenizer()
+    old = t.chat_template
+    t.chat_template = old.replace("{{ bos_token }}", "{% if thinking %}T{% endif %}{{ bos_token }}")
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=1)
+        (a,) = demo.chat(CHAT, sp, use_tqdm=False, chat_template_kwargs={"thinking": True})
+        (b,) = demo.chat(CHAT, sp, use_tqdm=False)
+    finally:
+        t.chat_template = old
+    assert len(a.prompt_token_ids) > len(b.prompt_token_ids)
+
+
+def test_a_template_that_refuses_is_a_value_error_naming_messages(demo):
+    t = demo.get_tokenizer()
+    old = t.chat_template
+    t.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    try:
+        msg = _error(demo.chat, CHAT, use_tqdm=False)
+    finally:
+        t.chat_template = old
+    assert msg.startswith("messages:") and "must alternate" in msg
+
+
+def test_role_tool_is_accepted_and_unknown_roles_are_named(demo):
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    tool = [*CHAT, {"role": "tool", "content": "42"}]
+    assert demo.chat(tool, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert "messages[0].role" in _error(demo.chat, [{"role": "robot", "content": "x"}])
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_the_field(demo):
+    assert _error(demo.generate, "a\ud800b", use_tqdm=False).startswith("prompt holds a lone")
+    bad = [{"role": "user", "content": "a\ud800b"}]
+    assert _error(demo.chat, bad, use_tqdm=False).startswith("messages[0].content holds")
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_at_the_door(tiny_path):
+    llm = tiny(tiny_path)
+    msg = _error(llm.generate, [[1, 2]], SamplingParams(logit_bias={256: 1.0}), use_tqdm=False)
+    assert msg.startswith("logit_bias:") and "[0, 256)" in msg
+    assert llm.engine.requests == {}
+
+
+def test_a_hub_name_says_it_is_not_a_local_directory():
+    msg = _error(LLM, "meta-llama/Llama-3.2-1B")
+    assert msg.startswith("model: 'meta-llama/Llama-3.2-1B' is not a local directory")
+    assert "huggingface-cli download meta-llama/Llama-3.2-1B" in msg
+
+
+def test_a_model_path_with_a_tilde_loads(tiny_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tiny_path.parent))
+    llm = LLM(f"~/{tiny_path.name}", **CPU, num_blocks=8)
+    assert llm.engine.config.model == str(tiny_path)
+
+
+def test_bf16_spellings_agree():
+    assert (
+        EngineConfig(dtype="bf16").dtype
+        == "bfloat16"
+        == engine_kwargs(None, {"dtype": "bf16"})["dtype"]
+    )
