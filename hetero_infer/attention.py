@@ -9,11 +9,11 @@ import warnings
 from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
+from .core import ATTENTION_BACKENDS
 
 # %% auto #0
 __all__ = [
     "BUCKET_BYTES",
-    "ATTENTION_BACKENDS",
     "BACKEND_PROVIDERS",
     "write_kv",
     "gather_kv",
@@ -349,9 +349,10 @@ class AttentionMetadata:
         block_tables: list[list[int]],  # block ids of each sequence (enough for seq_len)
         block_size: int,
         device: str | torch.device = "cpu",
-        num_decodes: int | None = None,
-    ):  # default: the leading run of query_len == 1
-        "Metadata from plain lists; the slots of the new tokens are computed from the block tables."
+        num_decodes: int | None = None,  # default: the leading run of query_len == 1
+        slot_mapping: list[int] | None = None,  # the new tokens' slots; None: from the tables
+    ):
+        "Metadata from plain lists; the new tokens' slots come from the scheduler or the tables."
         assert len(seq_lens) == len(query_lens) == len(block_tables), (
             "seq_lens, query_lens and block_tables differ in length"
         )
@@ -363,7 +364,16 @@ class AttentionMetadata:
                 raise ValueError(
                     f"block_tables: {len(bt)} blocks of {block_size} cannot hold seq_len={L}"
                 )
-            slots += [bt[p // block_size] * block_size + p % block_size for p in range(L - n, L)]
+            if slot_mapping is None:
+                slots += [
+                    bt[p // block_size] * block_size + p % block_size for p in range(L - n, L)
+                ]
+        if slot_mapping is not None:
+            if len(slot_mapping) != sum(query_lens):
+                raise ValueError(
+                    f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens"
+                )
+            slots = slot_mapping
         if num_decodes is None:
             num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         M = max([len(bt) for bt in block_tables] + [1])
@@ -538,7 +548,6 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 # %% ../nbs/03_attention_reference.ipynb #96db555f
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BACKEND_PROVIDERS = {
     "triton": "hetero_infer.kernels"
 }  # backend -> the module that registers it when imported
@@ -574,7 +583,8 @@ def get_attention_backend(
     device: str | torch.device | None = None,  # where the model runs; None: cuda if available
 ) -> AttentionBackend:
     "The attention implementation to use: auto = Triton on CUDA, torch elsewhere."
-    names = ("auto", *sorted(set(_backends) | set(BACKEND_PROVIDERS)))
+    extra = sorted((set(_backends) | set(BACKEND_PROVIDERS)) - set(ATTENTION_BACKENDS))
+    names = (*ATTENTION_BACKENDS, *extra)  # core's names, then any other registered one
     if name not in names:
         raise ValueError(f"name must be one of {names}, got {name!r}")
     if device is None:
