@@ -31,10 +31,11 @@ def manager_state(bm):
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random admissions, prefill chunks, decodes (one by one and batched), forks and frees against one manager.
-    `kv` simulates the physical cache: every slot the manager hands out is written with what a real K/V vector depends
-    on, the token *and its whole prefix*; every copy is performed. A wrong slot, a missed copy-on-write or a bad
-    prefix-cache hit (even one with equal block tokens after a different prefix) shows up as wrong cache content."""
+    """Random admissions, prefill chunks, decodes (one by one and batched), forks and frees against
+    one manager. `kv` simulates the physical cache: every slot the manager hands out is written with
+    what a real K/V vector depends on, the token *and its whole prefix*; every copy is performed.
+    A wrong slot, a missed copy-on-write or a bad prefix-cache hit (even one with equal block
+    tokens after a different prefix) shows up as wrong cache content."""
 
     @initialize(
         num_blocks=st.integers(2, 24),
@@ -50,7 +51,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return cands[i % len(cands)] if cands else None
 
     def _write(self, seq, n, slots, copies, commit=True):
-        "Perform the step the scheduler and runner would: copies, then KV writes, then commit (advance, publish)."
+        """Perform the step the scheduler and runner would: copies, then KV writes, then commit
+        (advance, publish)."""
         bs, bm = self.bs, self.bm
         for src, dst in copies:
             assert src != dst and bm.blocks[dst].ref_count == 1
@@ -61,7 +63,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for p, slot in zip(range(c, c + n), slots):
             b = slot // bs
             assert slot == seq.block_table[p // bs] * bs + p % bs
-            # copy-on-write: the block written is in exactly one table, this one: no one else reads or writes the slot
+            # copy-on-write: the block written is in exactly one table, this one: no one else reads
+            # or writes the slot
             assert bm.blocks[b].ref_count == 1
             assert [o.seq_id for o in self.live.values() if b in o.block_table] == [seq.seq_id]
             self.kv[slot] = tuple(seq.token_ids[: p + 1])
@@ -116,7 +119,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(tok=st.integers(0, 3))
     def decode_batch(self, tok):
-        "Every fully computed sequence samples a token; one batched call makes room for all of them."
+        """Every fully computed sequence samples a token; one batched call makes room for all of
+        them."""
         seqs = [s for _, s in sorted(self.live.items()) if s.num_uncomputed_tokens == 0]
         for s in seqs:
             s.append_token(tok)
@@ -136,8 +140,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99), frac=st.floats(0, 1), copy=st.booleans())
     def failed_step(self, i, frac, copy):
-        """Slots are handed out, then the forward pass raises: the copies may or may not have run, the slots hold garbage,
-        nothing is committed. Nothing may be published, and a retry (compute) must repair everything."""
+        """Slots are handed out, then the forward pass raises: the copies may or may not have run,
+        the slots hold garbage, nothing is committed. Nothing may be published, and a retry
+        (compute) must repair everything."""
         s = self._pick(i, lambda s: s.num_uncomputed_tokens > 0)
         if s is None:
             return
@@ -209,7 +214,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for blk in bm.blocks:
             assert blk.ref_count == held.count(blk.block_id), blk
         assert set(bm.seqs) == set(self.live)
-        # the cache: hash -> block is a bijection onto the blocks carrying a hash; evictable ones are cached and unreferenced
+        # the cache: hash -> block is a bijection onto the blocks carrying a hash; evictable ones
+        # are cached and unreferenced
         assert {h: b for h, b in bm.cached.items()} == {
             blk.hash: blk.block_id for blk in bm.blocks if blk.hash is not None
         }
@@ -220,7 +226,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def cache_content_is_each_sequences_tokens(self):
-        "Every computed position of every live sequence reads back its own token: CoW and prefix hits never mix sequences."
+        """Every computed position of every live sequence reads back its own token: CoW and prefix
+        hits never mix sequences."""
         bs = self.bs
         for s in self.live.values():
             if s.seq_id in self.bm.cow_pending:
@@ -263,7 +270,8 @@ TestBlockManager = BlockManagerMachine.TestCase
 @EXAMPLES
 @given(prompts=st.lists(tokens, min_size=1, max_size=8), block_size=st.sampled_from([1, 2, 3, 4]))
 def test_prefix_hit_is_longest_cached_prefix(prompts, block_size):
-    "With room for everything (no eviction), a prompt reuses exactly its longest full-block prefix shared with an earlier one, minus the last token's block."
+    """With room for everything (no eviction), a prompt reuses exactly its longest full-block prefix
+    shared with an earlier one, minus the last token's block."""
     bm, bs = BlockManager(200, block_size), block_size
     for i, toks in enumerate(prompts):
         s = mkseq(i, toks)
@@ -312,7 +320,8 @@ def test_running_out_is_reported_and_changes_nothing(sizes, num_blocks, block_si
     steps=st.integers(1, 20),
 )
 def test_batched_decode_equals_per_sequence(lens, block_size, forks, steps):
-    "append_decode_slots gives the same slots, copies and state as append_slots(seq, 1) per sequence."
+    """append_decode_slots gives the same slots, copies and state as append_slots(seq, 1) per
+    sequence."""
     twins = []
     for _ in range(2):
         bm, seqs = BlockManager(2000, block_size), []
@@ -379,7 +388,8 @@ def test_block_hash_names_the_content(a, b, parent):
 
 
 def test_failed_step_publishes_nothing():
-    "append_slots without commit (the forward pass raised), then free: the same prompt gets no cache hit."
+    """append_slots without commit (the forward pass raised), then free: the same prompt gets no
+    cache hit."""
     bm = BlockManager(8, 4)
     a = mkseq(0, range(10))
     bm.allocate(a)
@@ -487,11 +497,12 @@ def test_sibling_freed_before_joining_releases_only_its_own():
     )
 
 
-# --- found by mutation testing (make mutation): each pins a behaviour a surviving mutant changed -----------------------
+# --- found by mutation testing (make mutation): each pins a behaviour a surviving mutant changed --
 
 
 def test_sibling_bounds_on_k():
-    "k counts leading full blocks both share, leaving the sibling at least one token to compute: 0 is allowed."
+    """k counts leading full blocks both share, leaving the sibling at least one token to compute: 0
+    is allowed."""
     bm = BlockManager(10, 4)
     lead = mkseq(0, list(range(8)) + [1])
     bm.allocate(lead)
@@ -616,7 +627,8 @@ def test_bad_n_is_refused_naming_the_range():
 
 
 def test_copy_on_write_counts_only_the_blocks_written():
-    "A fork writing one position of a shared block needs one copy, even with more shared blocks after it."
+    """A fork writing one position of a shared block needs one copy, even with more shared blocks
+    after it."""
     bm = BlockManager(4, 4)
     p = mkseq(0, range(10))
     bm.allocate(p)
@@ -683,7 +695,8 @@ def test_constructor_bounds_name_the_field():
 
 
 def test_allocate_counts_evictable_prefix_hits_against_the_pool():
-    "Reusing an evictable cached block takes it out of the pool too: a request needing more than the pool is refused, state unchanged."
+    """Reusing an evictable cached block takes it out of the pool too: a request needing more than
+    the pool is refused, state unchanged."""
     bm = BlockManager(3, 4)
     a = mkseq(0, range(8))
     bm.allocate(a)

@@ -1,7 +1,7 @@
-"The shipped demo model: the checkpoint loads, the tokenizer round-trips, answers are graded right, and the model is accurate."
+"""The shipped demo model: the checkpoint loads, the tokenizer round-trips, answers are graded
+right, and the model is accurate."""
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -98,7 +98,8 @@ def test_tokenizer_round_trip_and_chat_template(tok):
         )
         assert tok.decode(ids) == p + a + tok.eos_token
         assert tok.decode(ids, skip_special_tokens=True) == q + a
-    # every letter (with or without its leading space) is a single token, so answers are learnable letter by letter
+    # every letter (with or without its leading space) is a single token, so answers are learnable
+    # letter by letter
     assert all(len(tok(s)["input_ids"]) == 1 for c in LETTERS for s in (c, " " + c))
 
 
@@ -155,7 +156,8 @@ def test_greedy_accuracy_with_transformers(model, tok):
 
 
 def test_readme_command_line_example_prints_what_the_readme_shows(capsys):
-    "The README's `hetero-infer generate --chat ...` example on the demo model prints exactly the lines the README shows."
+    """The README's `hetero-infer generate --chat ...` example on the demo model prints exactly the
+    lines the README shows."""
     import re
     import shlex
     from pathlib import Path

@@ -1,4 +1,5 @@
-"The hypothesis profiles of tests/conftest.py: 'ci' (CI=true) draws the same examples on every run, 'dev' draws new ones."
+"""The hypothesis profiles of tests/conftest.py: 'ci' (CI=true) draws the same examples on every
+run, 'dev' draws new ones."""
 
 from hypothesis import given, settings, strategies as st
 from conftest import hypothesis_profile

@@ -9,6 +9,7 @@ from hetero_infer.core import Sequence, SamplingParams
 from hetero_infer.core import SequenceStatus
 from hetero_infer.sampler import (
     Sampler,
+    apply_logit_bias,
     SamplerOutput,
     apply_penalties,
     apply_top_k_top_p,
@@ -23,9 +24,9 @@ from hetero_infer.sampler import (
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def seq(prompt=(1,), out=(), seq_id=0, index=0, **kw) -> Sequence:
+def seq(prompt=(1,), out=(), seq_id=0, index=0, logit_bias=None, **kw) -> Sequence:
     "A sequence with prompt `prompt` that has generated `out` so far."
-    return Sequence(
+    s = Sequence(
         seq_id,
         f"r{seq_id}",
         list(prompt) + list(out),
@@ -33,6 +34,8 @@ def seq(prompt=(1,), out=(), seq_id=0, index=0, **kw) -> Sequence:
         SamplingParams(**kw),
         index=index,
     )
+    s.params.logit_bias = logit_bias  # (set after construction: works before and after core has it)
+    return s
 
 
 def rand_logits(n, v, seed, scale=3.0):
@@ -74,7 +77,7 @@ def test_input_logits_untouched_and_shapes():
     )
 
 
-# --- filters never emit a filtered token -----------------------------------------------------------
+# --- filters never emit a filtered token ----------------------------------------------------------
 
 
 @SETTINGS
@@ -120,7 +123,8 @@ def test_filters_never_emit_a_filtered_token(
 
 @pytest.mark.parametrize("case", range(12))
 def test_masks_match_transformers_warpers(case):
-    "top-k, top-p and min-p keep exactly the tokens Hugging Face's warpers keep (random, tie-free logits)."
+    """top-k, top-p and min-p keep exactly the tokens Hugging Face's warpers keep (random, tie-free
+    logits)."""
     from transformers.generation.logits_process import (
         TopKLogitsWarper,
         TopPLogitsWarper,
@@ -144,7 +148,8 @@ def test_masks_match_transformers_warpers(case):
 
 @pytest.mark.parametrize("num_candidates", [1, 7, 64, 10_000])
 def test_top_k_top_p_candidates_equal_full_sort(num_candidates):
-    "Looking at K candidates first, with the full-sort fallback, keeps exactly what a full sort keeps."
+    """Looking at K candidates first, with the full-sort fallback, keeps exactly what a full sort
+    keeps."""
     g = torch.Generator().manual_seed(num_candidates)
     x = torch.randn(48, 700, generator=g) * torch.linspace(0.2, 10, 48)[:, None]
     k = torch.randint(1, 900, (48,), generator=g).clamp(max=700)
@@ -165,7 +170,8 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - exp) ** 2 / exp).sum())
 
 
-# 99.9% quantiles of chi-square by degrees of freedom (a correct sampler fails 1 time in 1000; all draws here are seeded)
+# 99.9% quantiles of chi-square by degrees of freedom (a correct sampler fails 1 time in 1000; all
+# draws here are seeded)
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
 
@@ -273,7 +279,7 @@ def test_penalties_shift_sampling():
     assert Sampler([])(x, [seq([0], [1, 1], temperature=0, frequency_penalty=1.0)]).token_ids == [2]
 
 
-# --- incremental penalty counts --------------------------------------------------------------------
+# --- incremental penalty counts -------------------------------------------------------------------
 
 
 def from_scratch(batch, V):
@@ -302,8 +308,9 @@ OPS = st.lists(
     pairs=st.integers(1, 16),
 )
 def test_penalty_counts_equal_the_from_scratch_computation(V, ops, seed, rows, pairs):
-    """Through random steps (batches of any subset, a sequence named twice), finishing, n>1 forks, preemption with
-    recompute (tokens kept, progress reset) and new arrivals, the kept counts equal seen_tokens from scratch."""
+    """Through random steps (batches of any subset, a sequence named twice), finishing, n>1 forks,
+    preemption with recompute (tokens kept, progress reset) and new arrivals, the kept counts equal
+    seen_tokens from scratch."""
     g = torch.Generator().manual_seed(seed)
     ri = lambda n: int(torch.randint(0, n, (1,), generator=g))
     pc, ids = PenaltyCounts(V, rows=rows, pairs=pairs), iter(range(10**6))
@@ -337,7 +344,8 @@ def test_penalty_counts_equal_the_from_scratch_computation(V, ops, seed, rows, p
 
 
 def test_penalty_counts_read_only_new_tokens():
-    "After a sequence's first step only its new tokens are read: rewriting old ones (never done for real) goes unnoticed."
+    """After a sequence's first step only its new tokens are read: rewriting old ones (never done
+    for real) goes unnoticed."""
     pc = PenaltyCounts(10)
     s = seq([1, 2, 3], [4], repetition_penalty=1.2)
     pc.update([s])
@@ -362,7 +370,8 @@ def test_penalty_counts_reclaim_rows_of_finished_sequences():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(V=st.integers(4, 80), seed=st.integers(0, 10_000), steps=st.integers(1, 6))
 def test_sampler_penalties_over_steps_equal_from_scratch(V, seed, steps):
-    "The sampler's penalized logits, step after step, equal apply_penalties over seen_tokens computed from scratch."
+    """The sampler's penalized logits, step after step, equal apply_penalties over seen_tokens
+    computed from scratch."""
     g = torch.Generator().manual_seed(seed)
     kinds = [
         dict(repetition_penalty=1.3),
@@ -413,7 +422,8 @@ def test_all_logprobs_off_skips_rows_that_did_not_ask():
 
 
 def run_steps(target: Sequence, mates_for_step, steps=6, V=400, sampler_seed=0):
-    "Decode `steps` tokens for `target`, its logits a function of the step only, among batch mates given per step."
+    """Decode `steps` tokens for `target`, its logits a function of the step only, among batch mates
+    given per step."""
     smp = Sampler([0], seed=sampler_seed)
     for step in range(steps):
         mates = mates_for_step(step)
@@ -455,7 +465,8 @@ def test_seeded_row_same_alone_and_in_random_batches(params):
 
 
 def test_seeded_row_survives_preemption_and_a_fresh_sampler():
-    "The noise depends on (seed, index, outputs so far) only: recomputing a step with a new Sampler gives the same token."
+    """The noise depends on (seed, index, outputs so far) only: recomputing a step with a new
+    Sampler gives the same token."""
     x = rand_logits(1, 1000, 4)
     s = seq([1], [7, 8, 9], seed=5)
     assert Sampler([0], seed=1)(x, [s]).token_ids == Sampler([0], seed=2)(x, [s]).token_ids
@@ -531,7 +542,8 @@ def test_ignore_eos_leaves_eos_free_but_still_blocks_stop_ids():
     rep=st.sampled_from([1.0, 1.5]),
 )
 def test_logprobs_are_raw_and_ranked(n, v, k, seed, temperature, rep):
-    "Logprobs come from log_softmax of the raw logits, whatever penalties and temperature did to the sampling."
+    """Logprobs come from log_softmax of the raw logits, whatever penalties and temperature did to
+    the sampling."""
     x = rand_logits(n, v, seed)
     seqs = [
         seq(
@@ -577,7 +589,7 @@ def test_logprobs_chosen_token_outside_top_k():
     assert math.isclose(lp[0], float(raw[4]), abs_tol=1e-6)
 
 
-# --- from the full sampler mutation run (issue 18) -----------------------------------------------------------------------
+# --- from the full sampler mutation run (issue 18) ------------------------------------------------
 
 
 def splitmix64_reference(x: int) -> int:
@@ -590,7 +602,8 @@ def splitmix64_reference(x: int) -> int:
 
 
 def test_row_seed_is_splitmix64_so_seeded_outputs_stay_reproducible():
-    "A seeded request's tokens depend on row_seed; it must stay the published SplitMix64 hash, on any device and version."
+    """A seeded request's tokens depend on row_seed; it must stay the published SplitMix64 hash, on
+    any device and version."""
     assert splitmix64_reference(0) == 0xE220A8397B1DCDAF  # the published first output from state 0
     for seed, index, step in [(0, 0, 0), (1234, 0, 7), (2**64 + 5, 3, 0), (-1, 2, 100), (42, 1, 1)]:
         h = splitmix64_reference(
@@ -609,13 +622,15 @@ def test_top_p_drops_a_token_once_the_mass_above_it_reaches_p_exactly():
 
 
 def test_top_p_of_one_keeps_tokens_after_the_mass_saturates():
-    "In float32 the first two tokens already hold all the mass; top_p = 1 must still keep the third."
+    """In float32 the first two tokens already hold all the mass; top_p = 1 must still keep the
+    third."""
     x = torch.tensor([[0.0, 0.0, -100.0]])
     assert torch.equal(apply_top_k_top_p(x, torch.tensor([3]), torch.tensor([1.0])), x)
 
 
 def test_top_p_wider_than_the_candidates_falls_back_to_a_full_sort():
-    "A flat row of 1000 tokens with top_p 0.9 keeps about 900 tokens, far more than the 256 candidates looked at first."
+    """A flat row of 1000 tokens with top_p 0.9 keeps about 900 tokens, far more than the 256
+    candidates looked at first."""
     x = torch.zeros(2, 1000)
     out = apply_top_k_top_p(x, torch.tensor([1000, 1000]), torch.tensor([0.9, 0.1]))
     kept = torch.isfinite(out).sum(-1).tolist()
@@ -669,7 +684,8 @@ def test_sampler_takes_a_single_eos_id_and_defaults_to_seed_0():
 
 
 def test_eos_id_outside_the_vocabulary_is_ignored():
-    "An EOS id the model's vocabulary does not have (e.g. a tokenizer's extra token) cannot be banned, and is no error."
+    """An EOS id the model's vocabulary does not have (e.g. a tokenizer's extra token) cannot be
+    banned, and is no error."""
     out = Sampler(eos_token_ids=[8, 5])(torch.zeros(1, 8), [seq(min_tokens=2, temperature=0)])
     assert out.token_ids == [0]
     out = Sampler(eos_token_ids=[0])(
@@ -717,7 +733,8 @@ def test_penalty_counts_refuse_a_shrunken_output():
 
 
 def test_reclaimed_row_does_not_answer_for_a_new_sequence_at_the_same_id():
-    "CPython reuses a dead object's id; a sequence seen after its row was reclaimed (standing in for that) gets a fresh, exact row."
+    """CPython reuses a dead object's id; a sequence seen after its row was reclaimed (standing in
+    for that) gets a fresh, exact row."""
     pc = PenaltyCounts(10, rows=2)
     a, c = seq(prompt=[1, 2], out=[3], seq_id=1), seq(prompt=[7], seq_id=3)
     pc.update([a, c])
@@ -739,7 +756,8 @@ def test_presence_penalty_hits_tokens_in_the_output_once_or_more_and_not_prompt_
 
 
 def test_min_p_keeps_a_token_exactly_at_the_threshold():
-    "min_p keeps tokens with probability >= min_p x the largest (vLLM's rule): 0.25 survives min_p 0.5 against 0.5."
+    """min_p keeps tokens with probability >= min_p x the largest (vLLM's rule): 0.25 survives min_p
+    0.5 against 0.5."""
     x = torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.0]]))
     probs = sampling_probs(
         x, torch.tensor([1.0]), torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5])
@@ -754,10 +772,99 @@ def test_min_p_zero_leaves_the_softmax_bit_for_bit():
 
 
 def test_chosen_token_tied_with_the_top_has_rank_one():
-    "Rank counts the tokens strictly more likely, plus one; a tie with the top token is rank 1 whatever order top-k lists them in."
+    """Rank counts the tokens strictly more likely, plus one; a tie with the top token is rank 1
+    whatever order top-k lists them in."""
     lps, tops = token_logprobs(torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([1]), [2])
     assert (
         tops[0][1].rank == 1
         and tops[0][0].rank == 1
         and tops[0][1].logprob == pytest.approx(lps[0])
     )
+
+
+# --- logit_bias (issue 29 item 2) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
+def test_logit_bias_of_plus_100_forces_a_token(temperature):
+    x = rand_logits(8, 300, 11)
+    low = x.argmin(-1).tolist()  # each row's least likely token
+    seqs = [seq(temperature=temperature, seed=i, logit_bias={low[i]: 100.0}) for i in range(8)]
+    assert Sampler([0])(x, seqs).token_ids == low
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_of_minus_100_bans_a_token(temperature):
+    "A token with almost all the mass is never drawn once biased by -100."
+    x = torch.zeros(200, 5)
+    x[:, 3] = 20.0  # token 3: probability ~1 - 2e-8
+    seqs = [seq(temperature=temperature, seed=i, logit_bias={3: -100.0}) for i in range(200)]
+    out = Sampler([0])(x, seqs).token_ids
+    assert 3 not in out
+    assert set(out) == ({0} if temperature == 0 else {0, 1, 2, 4})
+
+
+def test_logit_bias_leaves_other_rows_of_a_mixed_batch_alone():
+    "Rows without a bias give the same tokens and logprobs with or without biased rows beside them."
+    x = rand_logits(6, 400, 5)
+    plain = [seq(temperature=0), seq(seed=1), seq(seed=2, top_p=0.8), seq(temperature=0)]
+    mixed = plain[:2] + [seq(seed=9, logit_bias={1: 100.0}), seq(logit_bias={2: -50.0})] + plain[2:]
+    x_mixed = torch.cat([x[:2], x[4:], x[2:4]])  # rows 2-3 are the biased ones
+    a = Sampler([0])(x[:4], plain)
+    b = Sampler([0])(x_mixed, mixed)
+    assert b.token_ids[:2] + b.token_ids[4:] == a.token_ids
+    assert b.logprobs[:2] + b.logprobs[4:] == a.logprobs
+    assert b.token_ids[2] == 1
+
+
+def test_logit_bias_is_added_before_penalties_and_temperature():
+    "vLLM order: bias on the raw logits, then repetition penalty, then temperature."
+    smp = Sampler([0])
+    x = torch.tensor([[2.0, 0.0, 0.0, 0.0]])
+    s = seq(prompt=[1], temperature=0, repetition_penalty=2.0, logit_bias={1: 6.0})
+    assert smp.adjust_logits(x, [s]).tolist() == [[2.0, 3.0, 0.0, 0.0]]  # (0 + 6) / 2
+    assert smp(x, [s]).token_ids == [1]
+
+
+def test_logit_bias_logprobs_stay_the_raw_model_distribution():
+    "Like vLLM V1 (logprobs_mode='raw_logprobs'): a forced token reports the model's own logprob."
+    x = rand_logits(3, 50, 2)
+    low = x.argmin(-1).tolist()
+    seqs = [
+        seq(temperature=t, seed=3, logprobs=2, logit_bias={low[i]: 100.0})
+        for i, t in enumerate([0.0, 1.0, 0.5])
+    ]
+    out = Sampler([0])(x, seqs)
+    raw = x.log_softmax(-1)
+    assert out.token_ids == low
+    assert out.logprobs == pytest.approx([raw[i, low[i]].item() for i in range(3)], abs=1e-5)
+    for i in range(3):
+        top = out.top_logprobs[i]
+        assert top[low[i]].rank == 50  # still the least likely under the model
+        assert list(top)[1] == x[i].argmax().item()
+
+
+def test_apply_logit_bias_adds_only_the_named_entries():
+    x = rand_logits(4, 30, 8)
+    biases = [None, {0: 1.5, 29: -2.0}, {}, {7: 100.0}]
+    got = apply_logit_bias(x, biases)
+    want = x.clone()
+    want[1, 0] += 1.5
+    want[1, 29] -= 2.0
+    want[3, 7] += 100.0
+    assert torch.equal(got, want)
+    assert apply_logit_bias(x, [None] * 4) is x  # nothing to add: no copy
+
+
+def test_apply_logit_bias_refuses_a_token_outside_the_vocabulary():
+    x = torch.zeros(2, 10)
+    assert apply_logit_bias(x, [{9: 1.0}, None])[0, 9] == 1.0  # the last id is fine
+    with pytest.raises(ValueError, match="logit_bias"):
+        apply_logit_bias(x, [None, {10: 1.0}])
+
+
+def test_logit_bias_with_min_tokens_keeps_eos_banned():
+    "A +100 bias cannot bring back eos while min_tokens holds it: the ban is -inf."
+    x = torch.zeros(1, 6)
+    s = seq(temperature=0, min_tokens=2, logit_bias={2: 100.0, 4: 5.0})
+    assert Sampler([2])(x, [s]).token_ids == [4]
