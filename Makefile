@@ -54,9 +54,11 @@ endif
 demo: setup
 	$(BIN)/hetero-infer demo
 
-# nbdev writes `__all__` 120 columns wide; ruff formats the generated modules as it formats the notebooks.
+# nbdev_export through .ci/export.py, which lets a notebook export several fresh modules
+# (`#| export layers`); nbdev writes `__all__` 120 columns wide, so ruff formats the generated modules
+# as it formats the notebooks.
 export:
-	$(BIN)/nbdev_export
+	$(PY) .ci/export.py
 	$(BIN)/ruff format --quiet hetero_infer
 
 # ruff (rules in pyproject.toml): every notebook, module, test and CI script formatted and checked.
