@@ -1,0 +1,201 @@
+"""Quantization (hetero_infer.quantization, hetero_infer.quant_kernels): round-trip error bounds,
+the CPU int8 paths and the Triton kernel (interpreter on CPU) against a dequantized reference,
+W8A8's recorded fallback, fp8 KV helpers, and refusals naming the field."""
+
+import copy
+import pytest
+import torch
+import torch.nn as nn
+from hetero_infer.quantization import (
+    FP8_DTYPE,
+    FP8_MAX,
+    GRANULARITIES,
+    QUANTIZATION_MODES,
+    QuantizedLinear,
+    check_quantization,
+    dequantize_fp8,
+    dequantize_int8,
+    int8_weight_matmul,
+    kv_blocks_at_equal_memory,
+    module_bytes,
+    quantize_activations,
+    quantize_fp8,
+    quantize_int8,
+    quantize_model,
+    resolve_kv_cache_dtype,
+    w8a8_matmul,
+)
+
+torch.set_num_threads(1)  # pinned: 2 shared cores
+
+
+def _ref(x, q, s):
+    "The dequantized reference x @ (q * s).T in float32."
+    return x.float() @ dequantize_int8(q, s).T
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("gran", GRANULARITIES)
+@pytest.mark.parametrize("shape", [(1, 32), (7, 64), (33, 256)])
+def test_int8_round_trip_bound(gran, shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    q, s = quantize_int8(w, gran, group_size=32)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    step = s if s.shape[1] == 1 else s.repeat_interleave(32, dim=1)
+    assert ((dequantize_int8(q, s) - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_finer_scales_are_not_worse():
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * torch.exp(torch.randn(64, 1))
+    errs = [(dequantize_int8(*quantize_int8(w, g, 64)) - w).norm() for g in GRANULARITIES]
+    assert errs[0] >= errs[1] >= errs[2]
+
+
+def test_zero_weight_has_finite_scale():
+    q, s = quantize_int8(torch.zeros(4, 16))
+    assert torch.isfinite(s).all() and (dequantize_int8(q, s) == 0).all()
+
+
+def test_bad_granularity_and_group_size():
+    with pytest.raises(ValueError, match="granularity"):
+        quantize_int8(torch.randn(4, 16), "row")
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int8(torch.randn(4, 16), "group", group_size=5)
+
+
+def test_fp8_relative_error_and_clipping():
+    x = torch.logspace(-2, 1, 500) * torch.randn(500).sign()
+    q, s = quantize_fp8(x)
+    assert q.dtype == FP8_DTYPE and s.shape == ()
+    assert ((dequantize_fp8(q, s) - x).abs() / x.abs()).max() <= 2**-4
+    q, s = quantize_fp8(torch.tensor([1.0, 1000.0]), scale=1.0)  # past the range: clipped
+    assert dequantize_fp8(q, s)[1] == FP8_MAX
+
+
+def test_activation_quantization_per_token():
+    x = torch.randn(5, 40) * torch.tensor([[1.0], [10.0], [0.1], [1.0], [100.0]])
+    q, s = quantize_activations(x)
+    assert q.dtype == torch.int8 and s.shape == (5, 1)
+    assert ((q.float() * s - x).abs() <= s / 2 + 1e-6).all()
+    assert (q.abs().amax(1) == 127).all()
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 16, 17])
+@pytest.mark.parametrize("K", [16, 40, 100, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_weight_matmul(M, K, dtype):
+    torch.manual_seed(M * K)
+    q, s = quantize_int8(torch.randn(37, K))
+    x = torch.randn(M, K, dtype=dtype)
+    y = int8_weight_matmul(x, q, s[:, 0])
+    assert y.dtype == dtype and y.shape == (M, 37)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # two int8 digits: ~15 bits
+    assert _rel(y, _ref(x, q, s)) < tol
+
+
+@pytest.mark.parametrize("M", [1, 5, 17])
+def test_w8a8_matmul_close(M):
+    torch.manual_seed(M)
+    q, s = quantize_int8(torch.randn(50, 96))
+    x = torch.randn(M, 96)
+    assert _rel(w8a8_matmul(x, q, s[:, 0]), _ref(x, q, s)) < 0.02
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 40, 70), (5, 100, 37), (19, 72, 130), (16, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_int8_matmul_interpreter(M, K, N, dtype):
+    from hetero_infer.quant_kernels import triton_int8_matmul
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(K)
+    q, s = quantize_int8(torch.randn(N, K))
+    x = torch.randn(M, K).to(dev, dtype)
+    y = triton_int8_matmul(x, q.to(dev), s[:, 0].to(dev))
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert _rel(y.cpu(), _ref(x.cpu(), q, s)) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("mode", QUANTIZATION_MODES)
+def test_quantized_linear_matches_float(mode):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    ql = QuantizedLinear.from_float(lin, mode)
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        assert _rel(ql(x), lin(x)) < 0.02
+    assert ql.qweight.dtype == torch.int8 and ql.scale.shape == (48,)
+    assert ql.rel_error is None if mode == "int8" else ql.rel_error < 0.02
+
+
+def test_w8a8_fallback_recorded():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 96), nn.Linear(96, 32))
+    with torch.no_grad():
+        model[0].weight[:, 3] = 0  # a massive activation in a feature the layer ignores
+    ref_model = copy.deepcopy(model)
+    report = quantize_model(model, "w8a8")
+    x = torch.randn(4, 96)
+    x[:, 3] = 1000.0  # per-token int8 rounds the other 95 features to 0
+    with torch.no_grad():
+        y = model(x)
+        ref = ref_model(x)
+    assert list(report.fallbacks) == ["0"] and report.fallbacks["0"] > 0.05
+    assert report.layers["0"].fell_back and "fell_back" in repr(report.layers["0"])
+    assert _rel(y, ref) < 0.02  # the fallen-back layer is weight-only int8, still close
+    assert "fell back" in repr(report)
+
+
+def test_all_zero_first_call_does_not_decide():
+    ql = QuantizedLinear.from_float(nn.Linear(16, 8), "w8a8")
+    ql(torch.zeros(3, 16))
+    assert ql.rel_error is None and not ql.fell_back
+    ql(torch.randn(3, 16))
+    assert ql.rel_error is not None
+
+
+def test_quantize_model_skips_and_bytes():
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
+    model.lm_head = nn.Linear(64, 10, bias=False)
+    model.embed_tokens = nn.Embedding(10, 64)
+    report = quantize_model(model, "int8")
+    assert list(report.layers) == ["0", "1"] and report.skipped == ["lm_head"]
+    assert isinstance(model[0], QuantizedLinear) and type(model.lm_head) is nn.Linear
+    assert report.bytes_after == module_bytes(model) < report.bytes_before
+    all_q = nn.Sequential(nn.Linear(64, 128, bias=False))
+    all_q.lm_head = nn.Linear(128, 10, bias=False)
+    assert list(quantize_model(all_q, "int8", skip=()).layers) == ["0", "lm_head"]
+
+
+def test_int8_weight_bytes_ratio():
+    ql = QuantizedLinear.from_float(nn.Linear(896, 4864, bias=False, dtype=torch.bfloat16))
+    assert module_bytes(ql) / (4864 * 896 * 2) <= 0.55
+
+
+@pytest.mark.parametrize("bad", ["int4", "fp8", "", "INT8"])
+def test_bad_mode_names_quantization(bad):
+    with pytest.raises(ValueError, match="quantization"):
+        check_quantization(bad)
+    with pytest.raises(ValueError, match="quantization"):
+        QuantizedLinear.from_float(nn.Linear(4, 4), bad)
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_model(nn.Sequential(nn.Linear(4, 4)), bad)
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_model(nn.Sequential(nn.Linear(4, 4)), None)
+    assert check_quantization(None) is None
+
+
+def test_kv_cache_dtype_and_blocks():
+    assert resolve_kv_cache_dtype("auto", torch.float16) == torch.float16
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8_DTYPE
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16)
+    kw = dict(num_layers=24, block_size=16, num_kv_heads=2, head_dim=64)
+    b16 = kv_blocks_at_equal_memory(1 << 30, **kw, dtype=torch.bfloat16)
+    b8 = kv_blocks_at_equal_memory(1 << 30, **kw, dtype=FP8_DTYPE)
+    assert b8 / b16 >= 1.9
+    assert kv_blocks_at_equal_memory(10, **kw, dtype=FP8_DTYPE) == 0
