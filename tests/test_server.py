@@ -1,6 +1,9 @@
-"""The OpenAI-compatible server, started for real (`hetero-infer serve` under uvicorn on 127.0.0.1, a free port) and driven by the official
-`openai` client and raw HTTP: shapes, streaming equals non-streaming, every error row, 50 concurrent clients without cross-talk, disconnects
-that free their blocks, backpressure (503), a hypothesis fuzz with no 5xx, and SIGTERM with open streams (final events, exit 0)."""
+"""The OpenAI-compatible server, started for real (`hetero-infer serve` under uvicorn on 127.0.0.1,
+a free port) and driven by the official `openai` client and raw HTTP: shapes, streaming equals
+non-streaming, every error row, 50 concurrent clients without cross-talk, disconnects that free
+their blocks, backpressure (503), a hypothesis fuzz with no 5xx, SIGTERM with open streams (final
+events, exit 0), and issue 29's items: fields honoured or refused by name, logit_bias, templates
+(kwargs, refusals), lone surrogates, CORS, /health and the port-0 banner."""
 
 import asyncio
 import json
@@ -21,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 openai = pytest.importorskip("openai")
-from hetero_infer.demo import demo_prompts
+from hetero_infer.demo import demo_prompts  # noqa: E402 (after the skip when openai is missing)
 
 KEY = "test-key"
 DEMO_MAX_LEN = 64  # the demo model's max_position_embeddings
@@ -105,8 +108,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Both server processes, started together (their start-up overlaps): the demo model with an API key, a small body cap and
-    speculative decoding (prompt lookup: every answer below must come out as without it), and a tiny random model with a long context, two sequences per step, at most 2 waiting and 4 admitted, so requests stay in flight long enough to observe."""
+    """Both server processes, started together (their start-up overlaps): the demo model with an
+    API key, a small body cap and speculative decoding (prompt lookup: every answer below must come
+    out as without it), and a tiny random model with a long context, two sequences per step, at
+    most 2 waiting and 4 admitted, so requests stay in flight long enough to observe."""
     demo = Server(
         "--api-key",
         KEY,
@@ -522,7 +527,8 @@ def test_error_rows(server):
 
 
 def test_n_past_max_num_seqs_names_n_without_internal_ids(server):
-    "n beyond the sequences the engine runs at once is the request's fault: 400 naming `n`, in words a client can use (no internal request id)."
+    """n beyond the sequences the engine runs at once is the request's fault: 400 naming `n`, in
+    words a client can use (no internal request id)."""
     p = "<|bos|><|user|>reverse: a b<|eos|><|assistant|>"
     for path, body in (
         ("/v1/completions", {"prompt": p}),
@@ -540,7 +546,8 @@ def demo_engine():
 
 
 def test_completions_without_max_tokens_use_the_servers_default(demo_engine):
-    "`serve --max-tokens N` applies to completions that leave max_tokens out; without it they get OpenAI's 16; a request's own value wins."
+    """`serve --max-tokens N` applies to completions that leave max_tokens out; without it they
+    get OpenAI's 16; a request's own value wins."""
     from fastapi.testclient import TestClient
     from hetero_infer.cli import build_parser, serve_options
     from hetero_infer.server import build_app
@@ -633,7 +640,7 @@ def test_50_concurrent_clients_get_their_own_output(server):
     assert len(set(alone)) > 40  # distinct questions, distinct answers: cross-talk could not hide
 
 
-# ---------------------------------------------------------------- a slow model: backpressure, disconnects, timeouts, SIGTERM
+# ------------------------------------- a slow model: backpressure, disconnects, timeouts, SIGTERM
 
 
 def long_body(i=0, stream=True):
@@ -690,7 +697,8 @@ def test_disconnect_aborts_and_frees_blocks(slow_server):
 
 
 def test_disconnect_of_a_non_streaming_request_aborts_it(slow_server):
-    "A client that gives up on a plain (non-streamed) request: the server notices the disconnect and aborts, well before the 4 s request timeout."
+    """A client that gives up on a plain (non-streamed) request: the server notices the
+    disconnect and aborts, well before the 4 s request timeout."""
     s = slow_server
     rejected = lambda: s.metrics().get('hetero_infer:request_rejected_total{status="504"}', 0.0)
     before, timeouts = s.metrics()["hetero_infer:num_aborted_requests_total"], rejected()
@@ -713,7 +721,8 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(slow_server):
 
 
 def test_admission_bounds_answer_503_then_recover(slow_server):
-    "Both bounds: core's max_admitted_seqs (running + waiting, n counted) and the server's max_queued_requests (waiting)."
+    """Both bounds: core's max_admitted_seqs (running + waiting, n counted) and the server's
+    max_queued_requests (waiting)."""
     s = slow_server
     opened = [open_stream(s.url, long_body(i)) for i in range(3)]  # 2 running + 1 waiting
     try:
@@ -782,7 +791,7 @@ def test_request_timeout_aborts(slow_server):
     )
 
 
-# ---------------------------------------------------------------- fuzzing (hypothesis over the request models)
+# ---------------------------------------------------- fuzzing (hypothesis over the request models)
 
 junk = st.one_of(
     st.none(),
@@ -885,7 +894,7 @@ def test_server_healthy_after_fuzz(server, client):
     assert server.proc.poll() is None
 
 
-# ---------------------------------------------------------------- SIGTERM (last: it stops the slow server)
+# ------------------------------------------------------- SIGTERM (last: it stops the slow server)
 
 
 def test_sigterm_drains_open_streams_and_exits_0(slow_server):
@@ -914,14 +923,16 @@ def test_sigterm_drains_open_streams_and_exits_0(slow_server):
 
 
 def readme_serve_section() -> tuple[str, list[tuple[str, str]], str]:
-    "The README's Serve section: its `hetero-infer serve` line, each curl command with the answer its comment promises, and the openai snippet."
+    """The README's Serve section: its `hetero-infer serve` line, each curl command with the
+    answer its comment promises, and the openai snippet."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     sec = readme.split("## Serve\n", 1)[1].split("\n## ", 1)[0]
     serve = re.search(r"^hetero-infer serve$", sec, re.M)
     curls = re.findall(r"^(curl .*)\n# answer: \"(.*?)\"", sec, re.M)
     client = re.search(r"^```python\n(from openai import OpenAI\n.*?)^```", sec, re.M | re.S)
     assert serve and len(curls) == 3 and client, (
-        "README.md's Serve section lost its serve line, its three curl examples or its openai snippet"
+        "README.md's Serve section lost its serve line, its three curl examples or its openai"
+        " snippet"
     )
     return serve[0], curls, client[1]
 
@@ -937,8 +948,9 @@ def port_is_free(port: int) -> bool:
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_readme_serve_examples_work_as_written():
-    """`hetero-infer serve` exactly as the README writes it, then each README curl command run by the shell as written, and the openai
-    snippet: each gives the answer its comment promises. (Only when port 3000 is taken here is the port swapped for a free one.)"""
+    """`hetero-infer serve` exactly as the README writes it, then each README curl command run by
+    the shell as written, and the openai snippet: each gives the answer its comment promises.
+    (Only when port 3000 is taken here is the port swapped for a free one.)"""
     serve, curls, client = readme_serve_section()
     port = 3000 if port_is_free(3000) else free_port()
     here = (
@@ -1010,3 +1022,216 @@ def test_readme_serve_examples_work_as_written():
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+# ------------------------------------------- issue 29: fields, templates, text, CORS, health
+
+P = "<|bos|><|user|>reverse: a b c<|eos|><|assistant|>"
+CHAT = [{"role": "user", "content": "reverse: a b c"}]
+
+
+def test_unimplemented_fields_are_refused_by_name(server, client):
+    "OpenAI/vLLM fields the server does not implement: a 400 naming each, never an ignoring 200."
+    for path, body, param in (
+        ("/v1/completions", {"prompt": P, "suffix": "!"}, "suffix"),
+        ("/v1/completions", {"prompt": P, "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": P, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": P, "guided_json": {}}, "guided_json"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True}, "use_beam_search"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+    ):
+        assert_error(post(server, path, body), 400, param, param)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="hetero-infer", prompt=P, suffix="!")
+    assert e.value.body["param"] == "suffix"
+    # what asks for nothing passes, and `user` (advisory) is accepted
+    for path, body in (
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "none", "user": "u1"}),
+        ("/v1/completions", {"prompt": P, "best_of": 1, "suffix": None, "user": "u1"}),
+    ):
+        r = post(server, path, {**body, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def test_logit_bias_is_honoured_and_checked(server):
+    """logit_bias moves the greedy choice (+100 forces a token, -100 forbids one); bad keys,
+    values and ids are 400s naming logit_bias."""
+    from hetero_infer.core import DEMO_MODEL_DIR
+    from hetero_infer.tokenization import load_tokenizer
+
+    tok = load_tokenizer(DEMO_MODEL_DIR)
+    body = {"prompt": P, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    z = tok.encode("z", add_special_tokens=False)[-1]
+    forced = post(server, "/v1/completions", {**body, "logit_bias": {str(z): 100}}).json()
+    assert forced["choices"][0]["text"] == tok.decode([z]) * 3, forced
+    first = tok.encode(plain, add_special_tokens=False)[0]
+    banned = post(server, "/v1/completions", {**body, "logit_bias": {str(first): -100}}).json()
+    assert not banned["choices"][0]["text"].startswith(tok.decode([first])), (plain, banned)
+    chat = {"messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {str(z): 100}}
+    assert (
+        post(server, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+        == tok.decode([z]) * 2
+    )
+    for bias in ({"a": 1}, {"-1": 1}, {str(z): 101}, {str(z): -100.5}, {"999999": 1}):
+        assert_error(
+            post(server, "/v1/completions", {**body, "logit_bias": bias}), 400, "logit_bias"
+        )
+
+
+def test_lone_surrogate_is_the_clients_400(server):
+    """A lone UTF-16 surrogate (a JavaScript client cutting an emoji) is a 400 naming the field,
+    on both endpoints."""
+    assert_error(post(server, "/v1/completions", b'{"prompt": "a\\ud800b"}'), 400, "prompt")
+    assert_error(post(server, "/v1/completions", b'{"prompt": ["ok", "\\udfff"]}'), 400, "prompt")
+    body = b'{"messages": [{"role": "user", "content": "x\\ud83d"}]}'
+    assert_error(post(server, "/v1/chat/completions", body), 400, "messages")
+    assert server.proc.poll() is None
+
+
+def test_top_logprobs_out_of_range_names_top_logprobs(server):
+    for k in (21, -1):
+        body = {"messages": CHAT, "logprobs": True, "top_logprobs": k, "max_tokens": 1}
+        assert_error(post(server, "/v1/chat/completions", body), 400, "top_logprobs")
+
+
+def test_tool_role_and_health(server):
+    "Role `tool` is accepted as offline LLM.chat accepts it; /health answers beside /healthz."
+    msgs = [
+        {"role": "user", "content": "reverse: a b c"},
+        {"role": "assistant", "content": "", "tool_calls": None},
+        {"role": "tool", "content": "c b a", "tool_call_id": "call-1"},
+    ]
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_cors_preflight_and_headers(server):
+    "A browser's preflight is answered (no key needed); answers carry Access-Control-Allow-Origin."
+    origin = {"Origin": "https://app.example"}
+    r = httpx.options(
+        server.url + "/v1/chat/completions",
+        headers={
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.headers
+    hdr = {**origin, "Authorization": f"Bearer {KEY}"}
+    body = {"prompt": P, "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=hdr, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.get(server.url + "/v1/models", headers=origin)  # refused, still readable by the page
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+
+
+def in_thread(app):
+    "A real uvicorn server on a free port, in this process; yields its URL."
+    from hetero_infer.server import serve_in_thread
+
+    srv, url = serve_in_thread(app)
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        srv.thread.join(10)
+
+
+def test_allowed_origins_limit_cors():
+    from hetero_infer.engine import LLMEngine
+    from hetero_infer.server import build_app
+
+    app = build_app(LLMEngine(), allowed_origins=["https://app.example"], allowed_methods=["POST"])
+    for url in in_thread(app):
+        ok = httpx.get(url + "/health", headers={"Origin": "https://app.example"})
+        other = httpx.get(url + "/health", headers={"Origin": "https://evil.example"})
+        assert ok.headers["access-control-allow-origin"] == "https://app.example"
+        assert "access-control-allow-origin" not in other.headers
+        pre = {"Origin": "https://app.example", "Access-Control-Request-Method": "DELETE"}
+        assert httpx.options(url + "/v1/completions", headers=pre).status_code == 400
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('a system message must come first') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if hint is defined %}{{ hint }}{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def template_url(tmp_path_factory):
+    "The demo model, with a template that takes a `hint` and refuses a late system message."
+    from hetero_infer.core import DEMO_MODEL_DIR
+    from hetero_infer.engine import LLMEngine
+    from hetero_infer.server import build_app
+
+    path = tmp_path_factory.mktemp("template") / "m"
+    shutil.copytree(DEMO_MODEL_DIR, path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    yield from in_thread(build_app(LLMEngine(model=str(path))))
+
+
+def test_chat_template_kwargs_reach_the_template(template_url):
+    """vLLM's chat_template_kwargs become template variables; add_generation_prompt false leaves
+    the assistant's turn out."""
+    body = {"messages": CHAT, "max_tokens": 1}
+    usage = lambda **kw: httpx.post(
+        template_url + "/v1/chat/completions", json={**body, **kw}, timeout=60
+    ).json()["usage"]["prompt_tokens"]
+    base = usage()
+    assert usage(chat_template_kwargs={"hint": "abc"}) == base + 3
+    assert usage(add_generation_prompt=False) < base
+    r = httpx.post(
+        template_url + "/v1/chat/completions",
+        json={**body, "chat_template_kwargs": {"tokenize": True}},
+        timeout=60,
+    )
+    assert_error(r, 400, "chat_template_kwargs")
+
+
+def test_a_template_that_refuses_the_conversation_is_a_400(template_url):
+    msgs = [*CHAT, {"role": "system", "content": "late"}]
+    r = httpx.post(template_url + "/v1/chat/completions", json={"messages": msgs}, timeout=60)
+    assert_error(r, 400, "messages", "a system message must come first")
+
+
+def test_port_0_banner_names_the_bound_port():
+    "`serve --port 0` prints the port the system chose, and the server answers there."
+    code = "import sys; from hetero_infer.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "serve", "--port", "0", "--log-level", "warning"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = None
+        for line in proc.stderr:
+            m = re.search(r"serving 'hetero-infer' on http://127\.0\.0\.1:(\d+)/v1", line)
+            if m:
+                port = int(m[1])
+                break
+        assert port, "no banner with the bound port"
+        assert port != 0
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
