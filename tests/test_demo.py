@@ -21,6 +21,7 @@ from hetero_infer.demo import (
     is_held_out,
     make_example,
     question_of,
+    run_demo,
     solve,
 )
 
@@ -169,3 +170,19 @@ def test_readme_command_line_example_prints_what_the_readme_shows(capsys):
     assert main(shlex.split(m[1])[1:]) == 0
     shown = [l[2:] for l in m[2].splitlines()]
     assert capsys.readouterr().out.strip().splitlines()[-len(shown) :] == shown
+
+
+def test_train_log_is_shipped_and_describes_a_falling_loss():
+    "08 draws its loss curve from train_log.json beside the weights (CI never retrains)."
+    log = json.loads((DEMO_MODEL_DIR / "train_log.json").read_text())
+    steps, loss = log["logged_steps"], log["loss"]
+    assert len(steps) == len(loss) >= 2 and steps == sorted(steps) and steps[-1] < log["steps"]
+    assert all(x > 0 for x in loss) and loss[-1] < loss[0] / 100
+    assert (DEMO_MODEL_DIR / "train_log.json").stat().st_mode & 0o444 == 0o444  # package data
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, True, None])
+def test_run_demo_refuses_a_count_that_is_not_a_positive_integer(n):
+    "Issue 29 item 10: no ZeroDivisionError, no 'accuracy 0/-1'; refused before loading a model."
+    with pytest.raises(ValueError, match=r"n \(prompts to answer\) must be an integer >= 1"):
+        run_demo(n=n)
