@@ -1,5 +1,6 @@
-"""`hetero-infer` from a shell: every bad input exits 2 with one line `hetero-infer: error: <flag>: ...` (no traceback), every flag has
-help with its default, the seed project's spellings and config file work, and `generate` / `serve` resolve their options."""
+"""`hetero-infer` from a shell: every bad input exits 2 with one line `hetero-infer: error: <flag>:
+...` (no traceback), every flag has help with its default, the seed project's spellings and config
+file work, and `generate` / `serve` resolve their options."""
 
 import argparse
 import json
@@ -9,14 +10,8 @@ import subprocess
 import sys
 import pytest
 import torch
-from hetero_infer.cli import (
-    build_parser,
-    main,
-    seed_argv,
-    serve_options,
-    engine_config,
-    ENGINE_FLAGS,
-)
+from hetero_infer.cli import build_parser, main, seed_argv, serve_options, engine_config
+from hetero_infer.cli_flags import ENGINE_FLAGS
 from hetero_infer.demo import DEMO_MODEL_DIR
 
 SEED_CONFIG = {
@@ -39,7 +34,7 @@ SEED_CONFIG = {
 
 
 def run_main(capsys, *argv):
-    "Exit status and stderr of `hetero-infer argv...` run in-process (argparse errors exit via SystemExit)."
+    "Exit status and stderr of `hetero-infer argv...` in-process (argparse exits via SystemExit)."
     try:
         code = main(list(argv))
     except SystemExit as e:
@@ -118,11 +113,11 @@ def test_device_cuda_without_cuda(capsys):
 
 
 def run_cli_subprocess(argv, block_triton=False, env=None, timeout=300):
-    "Exit status and stderr of `hetero-infer argv...` in a fresh interpreter (env values of None unset a variable)."
+    "Exit status and stderr of `hetero-infer argv...` in a fresh interpreter (env None: unset)."
     code = (
         "import json, sys\n"
         + (
-            "sys.modules['triton'] = None   # as if triton were not installed: `import triton` raises ImportError\n"
+            "sys.modules['triton'] = None  # as if not installed: `import triton` raises\n"
             if block_triton
             else ""
         )
@@ -149,8 +144,9 @@ def _triton_modules():
 
 
 def test_triton_backend_where_it_cannot_run():
-    """Hiding triton, or importing it without TRITON_INTERPRET, happens in subprocesses: done here it left `triton.*` modules behind
-    that broke later tests (e.g. tests/test_engine.py::test_prompt_longer_than_max_model_len)."""
+    """Hiding triton, or importing it without TRITON_INTERPRET, happens in subprocesses: done here
+    it left `triton.*` modules behind that broke later tests (e.g.
+    tests/test_engine.py::test_prompt_longer_than_max_model_len)."""
     before = _triton_modules()
     code, err = run_cli_subprocess(
         ["generate", "x", "--attention-backend", "triton", "--device", "cpu"], block_triton=True
@@ -172,8 +168,9 @@ def test_triton_backend_where_it_cannot_run():
 
 
 def test_a_bad_value_from_the_config_names_the_config(capsys, tmp_path):
-    """The seed's config (max_model_len 2048) on the demo model (64 positions): the error names --config and the key, not a flag the user never
-    gave; the same value as a flag names the flag; the flag overrides the file."""
+    """The seed's config (max_model_len 2048) on the demo model (64 positions): the error names
+    --config and the key, not a flag the user never gave; the same value as a flag names the flag;
+    the flag overrides the file."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(SEED_CONFIG))
     code, err = run_main(capsys, "generate", "x", "--config", str(cfg))
@@ -207,7 +204,8 @@ def test_a_bad_value_from_the_config_names_the_config(capsys, tmp_path):
 
 
 def test_serve_with_the_seed_config_names_the_config(tmp_path):
-    "The seed's own command, `hetero-infer --serve --config config.json`, on the demo model: exit 2 naming --config and the key."
+    """The seed's own command, `hetero-infer --serve --config config.json`, on the demo model:
+    exit 2 naming --config and the key."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -245,7 +243,8 @@ def all_parsers():
 
 
 def test_every_flag_has_help_with_its_default():
-    "generate, serve, demo and bench offline/serve: every option's help shows its default, and its choices when it has some."
+    """generate, serve, demo and bench offline/serve: every option's help shows its default, and
+    its choices when it has some."""
     _, subs = all_parsers()
     parsers = {name: subs[name] for name in ("generate", "serve", "demo")}
     bench = next(
@@ -268,7 +267,6 @@ def test_every_flag_has_help_with_its_default():
 
 def test_help_is_complete(capsys):
     for argv in (["--help"], ["serve", "--help"], ["generate", "--help"]):
-        code, _ = 0, None
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 0
@@ -383,7 +381,7 @@ def test_serve_defaults_and_the_seed_config(tmp_path, monkeypatch):
 
 
 def test_generate_on_the_demo_model_through_the_console_script():
-    "The real command in a subprocess: the seed's `--input` form, with the chat template the demo model needs."
+    "The real command in a subprocess: the seed's `--input` form, with the chat template."
     exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
     cmd = (
         [exe]
@@ -414,3 +412,168 @@ def test_generate_on_the_demo_model_through_the_console_script():
         and r.stderr.strip().splitlines()[-1]
         == "hetero-infer: error: --model: no such directory: /no/such/dir"
     )
+
+
+# Issue 29: each item through the installed command, in a fresh process, as a user meets it.
+HETERO_INFER = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
+
+
+def run_installed(argv, stdin=b"", env=None, timeout=300, cmd=None):
+    "Exit status, stdout and stderr (text) of the installed `hetero-infer` (argv may hold bytes)."
+    r = subprocess.run(
+        (cmd or [HETERO_INFER]) + list(argv),
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    out, err = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+    assert "Traceback" not in err, err
+    return r.returncode, out, err
+
+
+def test_prompts_lose_their_line_endings():
+    "Item 4: `\\r\\n` (and a lone `\\r`) on stdin or in --input is not part of the prompt."
+    code, out, err = run_installed(
+        ["generate", "--chat", "--max-tokens", "8", "--json"],
+        stdin=b"reverse: a b c\r\n\r\nreverse: d e f\r",
+    )
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0, err
+    assert [(r["prompt"], r["completions"]) for r in rows] == [
+        ("reverse: a b c", ["c b a"]),
+        ("reverse: d e f", ["f e d"]),
+    ]
+    code, out, err = run_installed(
+        ["--input", "reverse: a b c\r\n", "--chat", "--max-tokens", "8", "--json"]
+    )
+    assert code == 0 and json.loads(out.splitlines()[-1])["prompt"] == "reverse: a b c", err
+
+
+def test_prompt_bytes_that_are_not_utf8_exit_2():
+    "Item 8: non-UTF-8 bytes in an argument or on stdin: exit 2 naming where they were."
+    code, _, err = run_installed([b"generate", b"caf\xe9", b"--max-tokens", b"2"])
+    assert code == 2 and error_line(err).startswith("hetero-infer: error: prompts: not UTF-8")
+    code, _, err = run_installed([b"generate", b"--input", b"\xff\xfe"])
+    assert code == 2 and error_line(err).startswith("hetero-infer: error: --input: not UTF-8")
+    code, _, err = run_installed(["generate", "--max-tokens", "2"], stdin=b"ok\ncaf\xe9\n")
+    assert code == 2 and error_line(err).startswith("hetero-infer: error: stdin: not UTF-8")
+
+
+def test_home_relative_paths(tmp_path):
+    'Item 9: `--model=~/m`, `--tokenizer=\'~/m\'` and a config\'s `"model": "~/m"` all load.'
+    os.symlink(DEMO_MODEL_DIR, tmp_path / "m")
+    home = {"HOME": str(tmp_path)}
+    argv = ["generate", "--chat", "reverse: a b c", "--max-tokens", "8", "--json"]
+    code, out, err = run_installed(argv + ["--model=~/m", "--tokenizer=~/m"], env=home)
+    assert code == 0 and json.loads(out.splitlines()[-1])["completions"] == ["c b a"], err
+    (tmp_path / "c.json").write_text(json.dumps({"model": "~/m", "tokenizer": "~/m"}))
+    code, out, err = run_installed(argv + ["--config", str(tmp_path / "c.json")], env=home)
+    assert code == 0 and json.loads(out.splitlines()[-1])["completions"] == ["c b a"], err
+    code, _, err = run_installed(argv + ["--tokenizer", "~/nothing"], env=home)
+    assert code == 2 and error_line(err).startswith("hetero-infer: error: --tokenizer: no such")
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_demo_refuses_no_prompts(n):
+    "Item 10: `demo --num-prompts 0` (was ZeroDivisionError) and -1 (was exit 0) name the flag."
+    code, _, err = run_installed(["demo", "--num-prompts", n])
+    assert code == 2 and error_line(err) == (
+        f"hetero-infer: error: --num-prompts: must be >= 1, got {n}"
+    )
+
+
+def test_config_that_is_not_a_json_object_or_not_utf8(tmp_path):
+    "Item 11: a JSON string is not a path to follow; bad bytes name --config and the file."
+    (tmp_path / "other.json").write_text(json.dumps({"block_size": 8}))
+    cfg = tmp_path / "string.json"
+    cfg.write_text(json.dumps(str(tmp_path / "other.json")))
+    code, _, err = run_installed(["generate", "x", "--config", str(cfg)])
+    assert code == 2 and error_line(err).startswith(
+        f"hetero-infer: error: --config: {cfg} holds a JSON str, not an object"
+    )
+    cfg = tmp_path / "latin1.json"
+    cfg.write_bytes('{"model": "mod\u00e8le"}'.encode("latin-1"))
+    code, _, err = run_installed(["serve", "--config", str(cfg)])
+    assert code == 2 and error_line(err).startswith(
+        f"hetero-infer: error: --config: {cfg} is not UTF-8 text"
+    )
+
+
+def test_host_that_does_not_resolve_names_host():
+    "Item 13: `serve --host 999.1.1.1` blames --host, not --port."
+    code, _, err = run_installed(["serve", "--host", "999.1.1.1"])
+    assert code == 2 and error_line(err).startswith(
+        "hetero-infer: error: --host: '999.1.1.1' does not resolve"
+    )
+
+
+@pytest.mark.parametrize("module", ["hetero_infer", "hetero_infer.cli"])
+def test_python_dash_m_runs_the_command(module):
+    "Item 16: `python -m hetero_infer[.cli] ...` is the command (it exited 0 doing nothing)."
+    code, _, err = run_installed(["demo", "--num-prompts", "0"], cmd=[sys.executable, "-m", module])
+    assert code == 2 and error_line(err).startswith("hetero-infer: error: --num-prompts")
+    code, out, _ = run_installed(["--help"], cmd=[sys.executable, "-m", module])
+    assert code == 0 and out.startswith("usage: hetero-infer")
+
+
+def test_cors_flags():
+    "Item 17 (the CLI half): vLLM's --allowed-origins/methods/headers, JSON lists, reach serve."
+    a = build_parser().parse_args(
+        ["serve", "--allowed-origins", '["https://a.example"]', "--allowed-headers", "[]"]
+    )
+    o = serve_options(a)
+    assert (o["allowed_origins"], o["allowed_headers"]) == (["https://a.example"], [])
+    assert "allowed_methods" not in o  # not given: the server's default (all, as vLLM)
+    code, _, err = run_installed(["serve", "--allowed-methods", "POST"])
+    assert code == 2 and error_line(err).startswith(
+        "hetero-infer: error: argument --allowed-methods: expected a JSON list"
+    )
+
+
+def _serve_takes_cors() -> bool:
+    import inspect
+    from hetero_infer.server import serve
+
+    return "allowed_origins" in inspect.signature(serve).parameters
+
+
+@pytest.mark.skipif(not _serve_takes_cors(), reason="the server's serve() has no CORS settings yet")
+def test_cors_preflight_through_the_command():
+    "Item 17 end to end: a browser's preflight to a `serve --allowed-origins ...` is allowed."
+    import httpx
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["serve", "--port", str(port), "--allowed-origins", '["https://a.example"]']
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([HETERO_INFER] + argv, env=env, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(480):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        headers = {
+            "Origin": "https://a.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        }
+        r = httpx.options(base + "/v1/chat/completions", headers=headers, timeout=10)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://a.example"
+        r = httpx.options(
+            base + "/v1/chat/completions",
+            headers={**headers, "Origin": "https://b.example"},
+            timeout=10,
+        )
+        assert r.headers.get("access-control-allow-origin") != "https://b.example"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
