@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ["int8_matmul_tiles", "triton_int8_matmul"]
 
-# %% ../nbs/15_quantization.ipynb #0c2e11a8
+# %% ../nbs/15_quantization.ipynb #67315074
 import torch
 import triton
 import triton.language as tl
