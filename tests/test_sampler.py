@@ -859,8 +859,15 @@ def test_apply_logit_bias_adds_only_the_named_entries():
 def test_apply_logit_bias_refuses_a_token_outside_the_vocabulary():
     x = torch.zeros(2, 10)
     assert apply_logit_bias(x, [{9: 1.0}, None])[0, 9] == 1.0  # the last id is fine
-    with pytest.raises(ValueError, match="logit_bias"):
+    msg = r"^logit_bias: token id 10 is outside the vocabulary \(size 10\)$"
+    with pytest.raises(ValueError, match=msg):
         apply_logit_bias(x, [None, {10: 1.0}])
+
+
+def test_apply_logit_bias_keeps_the_logits_dtype():
+    x = torch.zeros(2, 4, dtype=torch.float64)
+    got = apply_logit_bias(x, [{1: 0.1}, None])
+    assert got.dtype == torch.float64 and got[0, 1].item() == 0.1
 
 
 def test_logit_bias_with_min_tokens_keeps_eos_banned():
