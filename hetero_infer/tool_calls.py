@@ -14,14 +14,14 @@ __all__ = [
     "parse_tool_calls",
 ]
 
-# %% ../nbs/14_structured_outputs.ipynb #4eaeacb7
+# %% ../nbs/14_structured_outputs.ipynb #bc6b62b4
 import json
 import re  # noqa: F811 (the module needs its own import)
 import typing
 import uuid
 from .structured_outputs import StructuredOutputsParams
 
-# %% ../nbs/14_structured_outputs.ipynb #2ffada98
+# %% ../nbs/14_structured_outputs.ipynb #25fa2232
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
@@ -55,7 +55,7 @@ def validate_tools(tools: typing.Any) -> list[dict]:
     return out
 
 
-# %% ../nbs/14_structured_outputs.ipynb #cf53f3db
+# %% ../nbs/14_structured_outputs.ipynb #b3e35f35
 def validate_tool_choice(tool_choice: typing.Any, tools: list[dict] | None) -> str:
     "'none', 'auto', 'required', or the named function's name; ValueError naming `tool_choice`."
     names = [t["function"]["name"] for t in tools or []]
@@ -76,7 +76,7 @@ def validate_tool_choice(tool_choice: typing.Any, tools: list[dict] | None) -> s
     return name
 
 
-# %% ../nbs/14_structured_outputs.ipynb #15013e73
+# %% ../nbs/14_structured_outputs.ipynb #4bbd36ff
 def tool_choice_schema(
     tools: list[dict], choice: str, parallel_tool_calls: bool = True
 ) -> dict | None:
@@ -107,7 +107,7 @@ def tool_choice_params(tools, tool_choice, parallel_tool_calls: bool = True):
     return None if schema is None else StructuredOutputsParams(json=schema)
 
 
-# %% ../nbs/14_structured_outputs.ipynb #f6640509
+# %% ../nbs/14_structured_outputs.ipynb #6797be19
 def tool_call(name: str, arguments: typing.Any, call_id: str | None = None) -> dict:
     "One OpenAI tool call; `arguments` (a dict or JSON text) becomes JSON text."
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
@@ -126,7 +126,7 @@ def constrained_tool_calls(text: str, choice: str) -> list[dict]:
     return [tool_call(choice, value)]
 
 
-# %% ../nbs/14_structured_outputs.ipynb #e08f95fd
+# %% ../nbs/14_structured_outputs.ipynb #af7adbaf
 TOOL_CALL_FORMATS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 

@@ -195,6 +195,27 @@ def test_unconstrained_rows_are_left_alone(mgr):
     mgr.drop("m")
 
 
+def test_a_complete_output_allows_only_stop_tokens(mgr, tok):
+    mgr.submit("t", StructuredOutputsParams(choice=["ok"]))
+    assert all(mgr.accept("t", t) for t in tok.encode("ok", add_special_tokens=False))
+    assert not mgr.is_terminated("t")  # complete, but the stop token is still to come
+    stop = tok.convert_tokens_to_ids("<|eot_id|>")
+    assert mgr.accept("t", stop) and mgr.is_terminated("t")
+    x = mgr.apply(torch.zeros(1, mgr.vocab_size), mgr.fill_bitmask(["t"]), ["t"])
+    assert torch.isfinite(x[0]).nonzero()[:, 0].tolist() == sorted(mgr.info.stop_token_ids)
+    mgr.drop("t")
+
+
+def test_bounded_strings_hold_no_control_characters(mgr, tok):
+    "xgrammar 0.2.8's own maxLength rule admits a raw tab; the pattern rewrite must not."
+    p = StructuredOutputsParams(json={"type": "string", "minLength": 1, "maxLength": 6})
+    mgr.submit("b", p)
+    assert mgr.matcher("b").accept_string('"x')
+    tabs = [t for t in range(2000) if "\t" in tok.decode([t])]
+    assert tabs and not any(mgr.accept("b", t) for t in tabs)
+    mgr.drop("b")
+
+
 def test_rollback_and_fork_give_the_same_masks(mgr, tok):
     mgr.submit("s", StructuredOutputsParams(json=SCHEMAS[0]))
     before = mgr.fill_bitmask(["s"]).clone()
@@ -237,6 +258,7 @@ def test_compile_cache_shares_one_future(mgr):
         ({"json": {"type": "array", "uniqueItems": True}}, "json"),
         ({"json": {"properties": {"a": {"if": {"type": "integer"}}}}}, "json"),
         ({"json": {"$ref": "https://example.com/schema.json"}}, "json"),
+        ({"json": {"type": "string", "maxLength": 9, "pattern": "^a+$"}}, "json"),
         ({"regex": "(a"}, "regex"),
         ({"regex": ""}, "regex"),
         ({"grammar": "root ::= "}, "grammar"),
