@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -1222,13 +1223,19 @@ def test_port_0_banner_names_the_bound_port():
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
-        port = None
+    lines, banner = [], r"serving 'hetero-infer' on http://127\.0\.0\.1:(\d+)/v1"
+
+    def read():  # the server keeps stderr open: read it aside, look for the banner here
         for line in proc.stderr:
-            m = re.search(r"serving 'hetero-infer' on http://127\.0\.0\.1:(\d+)/v1", line)
-            if m:
-                port = int(m[1])
-                break
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        port, end = None, time.monotonic() + 180
+        while port is None and time.monotonic() < end and proc.poll() is None:
+            found = [m for m in (re.search(banner, line) for line in list(lines)) if m]
+            port = int(found[0][1]) if found else None
+            time.sleep(0.2)
         assert port, "no banner with the bound port"
         assert port != 0
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
