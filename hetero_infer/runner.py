@@ -31,12 +31,8 @@ def kv_block_bytes(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
 
 # %% ../nbs/05_model.ipynb #0dd51dcc
 def _num_logits(item) -> int:
-    "Logits rows entry `item` of a step asks for (the scheduler's `num_logits`)."
-    n = getattr(item, "num_logits", None)
-    if n is None:  # until the scheduler sets num_logits: the last token, and each proposal's
-        seq = item.seq
-        done = seq.num_computed_tokens + item.num_tokens == len(seq)
-        n = 1 + getattr(seq, "num_spec_tokens", 0) if done else 0
+    "Logits rows entry `item` of a step asks for (the scheduler's `num_logits`), checked."
+    n = item.num_logits
     if not 0 <= n <= item.num_tokens:
         raise ValueError(f"num_logits must be in [0, num_tokens={item.num_tokens}], got {n}")
     return n

@@ -108,13 +108,9 @@ class Hand:
             c = seq.num_computed_tokens
             while len(seq.block_table) * bs < c + n:
                 seq.block_table.append(self.free.pop())
-            sched.append(
-                NS(
-                    seq=seq,
-                    num_tokens=n,
-                    slot_mapping=[seq.block_table[p // bs] * bs + p % bs for p in range(c, c + n)],
-                )
-            )
+            slots = [seq.block_table[p // bs] * bs + p % bs for p in range(c, c + n)]
+            last = int(c + n == len(seq))  # the scheduler's num_logits: 1 when the chunk ends it
+            sched.append(NS(seq=seq, num_tokens=n, slot_mapping=slots, num_logits=last))
         logits = self.r.execute(NS(scheduled=sched, block_copies=list(copies)))
         for seq, n in items:
             seq.num_computed_tokens += n
@@ -495,7 +491,8 @@ def test_with_block_manager_fork_and_prefix_cache(tmp_path):
         items = []
         for s, n in seqs_n:
             slots, copies = bm.append_slots(s, n)
-            items.append((NS(seq=s, num_tokens=n, slot_mapping=slots), copies))
+            last = int(s.num_computed_tokens + n == len(s))
+            items.append((NS(seq=s, num_tokens=n, slot_mapping=slots, num_logits=last), copies))
         logits = r.execute(
             NS(scheduled=[i for i, _ in items], block_copies=[c for _, cs in items for c in cs])
         )
