@@ -10,3 +10,6 @@ __all__ = []
 # The public API at the package root, as in vLLM: `from hetero_infer import LLM, SamplingParams`.
 from .core import EngineConfig, SamplingParams, RequestOutput, CompletionOutput
 from .engine import LLM, LLMEngine
+
+# speculative decoding (12) and tensor parallelism (13) register themselves with the engine
+from . import speculative as _speculative, parallel as _parallel  # noqa: F401

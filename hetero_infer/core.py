@@ -606,9 +606,6 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_preemptions: int = 0  # times this sequence was preempted (and recomputed)
-    num_spec_tokens: int = (
-        0  # of token_ids, the last ones are proposals not yet verified (12_speculative_decoding)
-    )
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)

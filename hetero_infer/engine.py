@@ -37,21 +37,15 @@ from hetero_infer.tokenization import (
 )
 from .scheduler import Scheduler, SchedulerOutput
 from .model import ModelRunner, dtype_name
-from .parallel import make_runner
+from .plugins import RUNNERS, SPECULATORS, StepPlugin
 from .sampler import Sampler
-from .speculative import Speculator
 
 # %% auto #0
 __all__ = [
     "PROMPT_KEYS",
+    "VLLM_HARMLESS_KWARGS",
+    "VLLM_DEFAULT_ONLY_KWARGS",
     "LLMEngine",
-    "add_request",
-    "step",
-    "abort_request",
-    "has_unfinished_requests",
-    "get_num_unfinished_requests",
-    "close",
-    "stats",
     "EngineStepError",
     "as_prompt_list",
     "engine_kwargs",
@@ -78,7 +72,10 @@ class _Request:
     error: str | None = None  # set when it failed for good: finish_reason "error"
 
 
-# %% ../nbs/07_engine.ipynb #08b37856
+# %% ../nbs/07_engine.ipynb #703ef4cf
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
 class LLMEngine:
     "The step loop over scheduler, model runner and sampler."
 
@@ -89,9 +86,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(
             config.tokenizer or config.model, required=config.tokenizer is not None
         )
-        self.runner = make_runner(
-            config
-        )  # a ModelRunner; rank 0 of a group when tensor_parallel_size > 1
+        # a ModelRunner; with tensor parallelism (13) rank 0 of a group
+        self.runner = RUNNERS.get("tensor_parallel", ModelRunner)(config)
         self.config = config = dataclasses.replace(
             config, max_model_len=self.runner.max_model_len, num_blocks=self.runner.num_blocks
         )
@@ -101,24 +97,29 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
-        self.speculator = (
-            Speculator(
-                config, self.runner.model.config.vocab_size, self.eos_token_ids
-            )  # 12_speculative_decoding
-            if config.speculative_method
-            else None
-        )
+        self.speculator = self._speculator()  # None, or the StepPlugin of 12
+        self.plugin = self.speculator or StepPlugin()
         self.requests: dict[str, _Request] = {}
         self._finished_aborts: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self.counters = Counter()
-        self.last_error: BaseException | None = (
-            None  # the latest exception a step raised (and recovered from)
-        )
+        self.last_error: BaseException | None = None  # the latest exception a step recovered from
         self.stream_outputs = True  # False: step() returns only finished requests' outputs
 
+    def _speculator(self) -> StepPlugin | None:
+        "The plugin of `config.speculative_method` (12_speculative_decoding), or None."
+        method = self.config.speculative_method
+        if method is None:
+            return None
+        if method not in SPECULATORS:
+            raise ValueError(
+                f"speculative_method: {method!r} is not registered (import hetero_infer)"
+            )
+        vocab = self.runner.model.config.vocab_size
+        return SPECULATORS[method](self.config, vocab, self.eos_token_ids)
+
     def _eos_ids(self) -> set[int]:
-        "End-of-sequence ids: the union of generation_config.json's, config.json's and the tokenizer's (as vLLM stops)."
+        "End-of-sequence ids: generation_config.json's, config.json's and the tokenizer's (vLLM's)."
         import json
 
         ids = []
@@ -131,397 +132,339 @@ class LLMEngine:
             ids.append(self.tokenizer.eos_token_id)
         return set(int(i) for i in ids)
 
-
-# %% ../nbs/07_engine.ipynb #a897e336
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
-
-
-def _tokenize(self: LLMEngine, prompt) -> tuple[str | None, list[int]]:
-    "Text and token ids of one prompt: a string, token ids, {'prompt': text} or {'prompt_token_ids': ids} (vLLM's forms)."
-    if isinstance(prompt, dict):
-        extra = sorted(set(prompt) - set(PROMPT_KEYS))
-        if extra or not prompt:
+    # --- admission ---
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        "Text and ids of one prompt: a string, ids, {'prompt': text} or {'prompt_token_ids': ids}."
+        if isinstance(prompt, dict):
+            extra = sorted(set(prompt) - set(PROMPT_KEYS))
+            if extra or not prompt:
+                raise ValueError(
+                    "prompt dict must have 'prompt' or 'prompt_token_ids' (and nothing else), "
+                    f"got keys {sorted(prompt)}"
+                )
+            if "prompt_token_ids" not in prompt:
+                return self._tokenize(prompt["prompt"])
+            if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+                raise ValueError(
+                    "prompt_token_ids must be a list of token ids, "
+                    f"got {type(prompt['prompt_token_ids']).__name__}"
+                )
+            text, ids = self._tokenize(list(prompt["prompt_token_ids"]))
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt: this model directory has no tokenizer; pass token ids instead of text"
+                )
+            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
+        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(
-                f"prompt dict must have 'prompt' or 'prompt_token_ids' (and nothing else), got keys {sorted(prompt)}"
+                "prompt must be a string, a list of token ids or a dict with "
+                f"'prompt'/'prompt_token_ids', got {type(prompt).__name__}"
             )
-        if "prompt_token_ids" not in prompt:
-            return _tokenize(self, prompt["prompt"])
-        if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        "Queue a request: `prompt` is text or token ids."
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        vocab = self.runner.model.config.vocab_size
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(
-                f"prompt_token_ids must be a list of token ids, got {type(prompt['prompt_token_ids']).__name__}"
+                f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}"
             )
-        text, ids = _tokenize(self, list(prompt["prompt_token_ids"]))
-        return prompt.get("prompt"), ids
-    if isinstance(prompt, str):
-        if self.tokenizer is None:
+        bias = params.logit_bias or {}
+        if bias and max(bias) >= vocab:
             raise ValueError(
-                "prompt: this model directory has no tokenizer; pass token ids instead of text"
+                f"logit_bias: token id {max(bias)} is outside the vocabulary [0, {vocab})"
             )
-        return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
-    ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
-    if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError(
-            f"prompt must be a string, a list of token ids or a dict with 'prompt'/'prompt_token_ids', got {type(prompt).__name__}"
-        )
-    return None, ids
-
-
-def add_request(
-    self: LLMEngine,
-    request_id: str,
-    prompt,
-    params: SamplingParams | None = None,
-    arrival_time: float | None = None,
-    priority: int = 0,
-) -> None:
-    "Queue a request: `prompt` is text or token ids."
-    params = params or SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-    if request_id in self.requests:
-        raise ValueError(f"request_id {request_id!r} is already in use")
-    text, ids = _tokenize(self, prompt)
-    vocab = self.runner.model.config.vocab_size
-    if not ids:
-        raise ValueError("prompt must not be empty")
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-    bias = params.logit_bias or {}
-    if bias and max(bias) >= vocab:
-        raise ValueError(f"logit_bias: token id {max(bias)} is outside the vocabulary [0, {vocab})")
-    if len(ids) >= self.config.max_model_len:
-        raise ValueError(
-            f"prompt is {len(ids)} tokens, but max_model_len is {self.config.max_model_len} (prompt + at least one generated token must fit)"
-        )
-    now = time.monotonic() if arrival_time is None else arrival_time
-    seq = Sequence(next(self._seq_ids), request_id, ids, len(ids), params, 0, now, priority)
-    self.scheduler.add(seq)  # raises ValueError when it can never fit the cache
-    req = _Request(request_id, text, ids, params, [seq], RequestMetrics(now))
-    self._track(req, seq)
-    self.requests[request_id] = req
-    self.counters["requests"] += 1
-    self.counters["prompt_tokens"] += len(ids)
-
-
-def _track(self: LLMEngine, req: _Request, seq: Sequence) -> None:
-    "Start the per-sequence text state of `seq`."
-    if (
-        self.tokenizer is not None and req.params.detokenize
-    ):  # no text asked for: no detokenizer at all
-        req.detok[seq.seq_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, req.params.skip_special_tokens
-        )
-    req.text[seq.seq_id], req.logprobs[seq.seq_id], req.cum_logprob[seq.seq_id] = "", [], 0.0
-
-
-LLMEngine.add_request, LLMEngine._track = add_request, _track
-
-
-# %% ../nbs/07_engine.ipynb #a68c2fda
-def step(self: LLMEngine) -> list[RequestOutput]:
-    "Run one engine step; return the outputs of the requests it advanced (and of those aborted or failed since the last step)."
-    outputs, self._finished_aborts = self._finished_aborts, []
-    spec = self.speculator
-    if spec is not None:
-        spec.propose(self._spec_candidates())  # proposals join the decodes' token_ids
-    sched = self.scheduler.schedule()
-    if spec is not None:
-        spec.fit(sched)  # keep the proposals the step has room for
-    if not sched.scheduled:
-        return outputs
-    sampling = [
-        it.seq
-        for it in sched.scheduled
-        if it.seq.num_computed_tokens + it.num_tokens == len(it.seq)
-    ]
-    verifying = [s for s in sampling if s.num_spec_tokens]
-    try:
-        logits = self.runner.execute(
-            sched
-        )  # (rows, vocab): one per sampling sequence, k + 1 for one verifying k proposals
-        if verifying:
-            logits, verified = self._verify(logits, sampling, verifying)
-        rows, seqs = self._plan_forks([s for s in sampling if not s.num_spec_tokens])
-        out = (
-            self.sampler(logits[rows] if rows != list(range(len(rows))) else logits, seqs)
-            if seqs
-            else None
-        )
-    except Exception as e:  # nothing has advanced: retry the step's requests, or fail them
-        if spec is not None:
-            spec.abandon()
-        return outputs + self._step_failed(sched, e)
-    if verifying:
-        spec.rewind(sched, verifying, [v[0] for v in verified])
-    self.scheduler.update(sched)  # the KV is written: advance, and let its full blocks be cached
-    if verifying:
-        spec.settle(self.block_manager, verifying, [v[0] for v in verified])
-    seqs = self._commit_forks(seqs)
-    now = time.monotonic()
-    for it in sched.scheduled:
-        m = self.requests[it.seq.request_id].metrics
-        if m.first_scheduled_time is None:
-            m.first_scheduled_time = now
-    touched, emitted = {}, len(seqs)
-    for i, seq in enumerate(seqs):
-        req = self.requests[seq.request_id]
-        self._append(req, seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-        touched[req.request_id] = req
-    for seq, (toks, lps, tops) in zip(verifying, verified) if verifying else ():
-        req = touched[seq.request_id] = self.requests[seq.request_id]
-        for t, lp, top in zip(
-            toks, lps, tops
-        ):  # each token through the stop checks: nothing after a stop
-            self._append(req, seq, t, lp, top)
-            emitted += 1
-            if seq.finished:
-                break
-    self.counters["steps"] += 1
-    self.counters["generation_tokens"] += emitted
-    if spec is not None and not self.scheduler.running:
-        spec.proposer.drop(set())  # the draft's cache empties with the engine
-    self.counters["batched_tokens"] += sched.num_batched_tokens
-    return outputs + [
-        self._output(r) for r in touched.values() if self.stream_outputs or r.finished
-    ]
-
-
-def _plan_forks(self: LLMEngine, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-    "Rows of the logits to sample and the sequences they are for, with n - 1 new children of n > 1 requests at their first token."
-    rows, seqs = [], []
-    for i, seq in enumerate(sampling):
-        rows.append(i)
-        seqs.append(seq)
-        req = self.requests[seq.request_id]
-        if req.params.n > 1 and seq.num_output_tokens == 0 and len(req.seqs) == 1:
-            for k in range(1, req.params.n):
-                rows.append(i)
-                seqs.append(seq.fork(next(self._seq_ids), index=k))
-    return rows, seqs
-
-
-def _commit_forks(self: LLMEngine, seqs: list[Sequence]) -> list[Sequence]:
-    "After a successful step: fork the planned children for real (from the advanced parent) and hand them to the scheduler."
-    done, parents = [], {}
-    for seq in seqs:
-        req = self.requests[seq.request_id]
-        if seq.index == 0 or seq in req.seqs:
-            parents[seq.request_id] = seq
-            done.append(seq)
-            continue
-        parent = parents[seq.request_id]
-        child = parent.fork(seq.seq_id, index=seq.index)  # same id as the one sampled for
-        self.scheduler.fork(parent, child)
-        req.seqs.append(child)
-        self._track(req, child)
-        done.append(child)
-    return done
-
-
-def _step_failed(self: LLMEngine, sched: SchedulerOutput, err: Exception) -> list[RequestOutput]:
-    "A step raised before anything advanced: its requests run again next step, or, past `max_retry_attempts`, end with an error."
-    self.last_error = err
-    self.counters["failed_steps"] += 1
-    limit, msg = (
-        self.config.max_retry_attempts,
-        (f"{type(err).__name__}: {err}".splitlines() or [""])[0],
-    )
-    outs = []
-    for rid in dict.fromkeys(it.seq.request_id for it in sched.scheduled):
-        req = self.requests[rid]
-        req.failures += 1
-        if req.failures <= limit:
-            self.counters["retries"] += 1
-            continue
-        req.error = f"the engine step failed {req.failures} times (max_retry_attempts={limit}); last error: {msg}"
-        for seq in self.scheduler.abort(rid):
-            seq.status = SequenceStatus.FINISHED_ERROR  # blocks freed, nothing cached
-        req.finished, req.metrics.finished_time = True, time.monotonic()
-        self.counters["failed"] += 1
-        outs.append(self._output(req))
-    return outs
-
-
-def _spec_candidates(self: LLMEngine) -> list[Sequence]:
-    "Running sequences that may speculate: decoding (one token to compute) past their first output, with every fork of their request made."
-    return [
-        s
-        for s in self.scheduler.running
-        if s.num_computed_tokens == len(s.token_ids) - 1
-        and s.num_output_tokens >= 1
-        and len(self.requests[s.request_id].seqs) == s.params.n
-    ]
-
-
-def _verify(
-    self: LLMEngine, logits: torch.Tensor, sampling: list[Sequence], verifying: list[Sequence]
-):
-    "Split the step's logits: the verifying sequences' rows go to the speculator; the plain rows (one per other sequence) stay."
-    first, plain, spec_rows = 0, [], []
-    for s in sampling:
-        if s.num_spec_tokens:
-            spec_rows += range(first, first + s.num_spec_tokens + 1)
-        else:
-            plain.append(first)
-        first += s.num_spec_tokens + 1
-    dev = logits.device
-    verified = self.speculator.verify(
-        self.sampler, logits[torch.tensor(spec_rows, device=dev)], verifying
-    )
-    return logits[torch.tensor(plain, dtype=torch.long, device=dev)], verified
-
-
-LLMEngine.step, LLMEngine._plan_forks, LLMEngine._commit_forks, LLMEngine._step_failed = (
-    step,
-    _plan_forks,
-    _commit_forks,
-    _step_failed,
-)
-LLMEngine._spec_candidates, LLMEngine._verify = _spec_candidates, _verify
-
-
-# %% ../nbs/07_engine.ipynb #b6c290f1
-def _append(
-    self: LLMEngine, req: _Request, seq: Sequence, token: int, logprob: float, top: dict | None
-) -> None:
-    p, now = req.params, time.monotonic()
-    seq.append_token(token)
-    if req.metrics.first_token_time is None:
-        req.metrics.first_token_time = now
-    req.metrics.last_token_time = now
-    req.cum_logprob[seq.seq_id] += logprob
-    if top is not None:
-        if self.tokenizer is not None and p.detokenize:
-            top = {
-                t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t]))
-                for t, lp in top.items()
-            }
-        req.logprobs[seq.seq_id].append(top)
-    n_out, can_stop = seq.num_output_tokens, seq.num_output_tokens >= p.min_tokens
-    status, reason = None, None
-    if can_stop and not p.ignore_eos and token in self.eos_token_ids:
-        status = SequenceStatus.FINISHED_STOPPED
-    elif can_stop and token in p.stop_token_ids:
-        status, reason = SequenceStatus.FINISHED_STOPPED, token
-    if (
-        status is None or p.include_stop_str_in_output
-    ) and seq.seq_id in req.detok:  # a stop token's text only when asked
-        old = req.text[seq.seq_id]
-        delta = req.detok[seq.seq_id].add(
-            token
-        )  # a special token is empty under skip_special_tokens
-        text = old + delta
-        hit = find_stop_string(text, len(delta), p.stop) if can_stop and status is None else None
-        if hit:
-            s, i = hit
-            text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
-            status, reason = SequenceStatus.FINISHED_STOPPED, s
-        req.text[seq.seq_id] = text
-    if status is None and p.max_tokens is not None and n_out >= p.max_tokens:
-        status = SequenceStatus.FINISHED_LENGTH
-    if status is None and len(seq) >= self.config.max_model_len:
-        status = SequenceStatus.FINISHED_LENGTH
-    if status is not None:
-        self._finish_seq(req, seq, status, reason)
-
-
-def _finish_seq(
-    self: LLMEngine, req: _Request, seq: Sequence, status: SequenceStatus, reason=None
-) -> None:
-    self.scheduler.finish(seq, status)
-    req.stop_reason[seq.seq_id] = reason
-    if all(s.finished for s in req.seqs) and len(req.seqs) == req.params.n:
-        req.finished, req.metrics.finished_time = True, time.monotonic()
-
-
-LLMEngine._append, LLMEngine._finish_seq = _append, _finish_seq
-
-
-# %% ../nbs/07_engine.ipynb #cc253e04
-def _output(self: LLMEngine, req: _Request) -> RequestOutput:
-    hold = max((len(s) for s in req.params.stop), default=1) - 1
-    outs = []
-    for seq in sorted(req.seqs, key=lambda s: s.index):
-        text = req.text[seq.seq_id]
-        if not seq.finished and hold:
-            text = text[: max(0, len(text) - hold)]
-        outs.append(
-            CompletionOutput(
-                seq.index,
-                text,
-                list(seq.output_token_ids),
-                req.cum_logprob[seq.seq_id],
-                req.logprobs[seq.seq_id] if req.params.logprobs is not None else None,
-                seq.status.finish_reason,
-                req.stop_reason.get(seq.seq_id),
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, but max_model_len is {self.config.max_model_len} "
+                "(prompt + at least one generated token must fit)"
             )
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(next(self._seq_ids), request_id, ids, len(ids), params, 0, now, priority)
+        self.scheduler.add(seq)  # raises ValueError when it can never fit the cache
+        req = _Request(request_id, text, ids, params, [seq], RequestMetrics(now))
+        self._track(req, seq)
+        self.requests[request_id] = req
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(ids)
+
+    def _track(self, req: _Request, seq: Sequence) -> None:
+        "Start the per-sequence text state of `seq`."
+        if self.tokenizer is not None and req.params.detokenize:  # no text asked: no detokenizer
+            req.detok[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, req.params.skip_special_tokens
+            )
+        req.text[seq.seq_id], req.logprobs[seq.seq_id] = "", []
+        req.cum_logprob[seq.seq_id] = 0.0
+
+    # --- the step ---
+    def step(self) -> list[RequestOutput]:
+        "One step: schedule, execute, sample, update, outputs (and those of aborts since the last)."
+        outputs, self._finished_aborts = self._finished_aborts, []
+        self.plugin.before_schedule(self)  # speculation: proposals join the decodes' tokens
+        sched = self.scheduler.schedule()
+        self.plugin.after_schedule(sched)  # speculation: keep the proposals the step fits
+        if not sched.scheduled:
+            return outputs
+        try:
+            logits = self.runner.execute(sched)  # (sum of num_logits, vocab)
+            samples = self._sample(logits, sched)  # [(seq, tokens, logprobs, top logprobs)]
+        except Exception as e:  # nothing has advanced: retry the step's requests, or fail them
+            self.plugin.step_failed()
+            return outputs + self._step_failed(sched, e)
+        self.plugin.before_update(sched, samples)  # speculation: rejected proposals leave
+        self.scheduler.update(sched)  # the KV is written: advance, and cache full blocks
+        self.plugin.after_update(self, samples)
+        return outputs + self._emit(sched, samples)
+
+    def _sample(self, logits: torch.Tensor, sched: SchedulerOutput) -> list[tuple]:
+        "`(seq, tokens, logprobs, tops)` per entry: 1 row to the sampler, more to the plugin."
+        plain, rows, verify, vrows, r = [], [], [], [], 0
+        for it in sched.scheduled:
+            if it.num_logits == 1:
+                plain.append(it.seq)
+                rows.append(r)
+            elif it.num_logits > 1:  # a plugin's entry (speculation: k proposals, k + 1 rows)
+                verify.append(it.seq)
+                vrows += range(r, r + it.num_logits)
+            r += it.num_logits
+        verified = self.plugin.verify(self.sampler, _rows(logits, vrows), verify) if verify else []
+        fork_rows, seqs = self._plan_forks(plain)
+        out = self.sampler(_rows(logits, [rows[i] for i in fork_rows]), seqs) if seqs else None
+        samples = [
+            (s, [out.token_ids[i]], [out.logprobs[i]], [out.top_logprobs[i]])
+            for i, s in enumerate(seqs)
+        ]
+        return samples + [(s, *v) for s, v in zip(verify, verified)]
+
+    def _plan_forks(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        "Rows to sample and their sequences, with n - 1 children of n > 1 requests at token one."
+        rows, seqs = [], []
+        for i, seq in enumerate(sampling):
+            rows.append(i)
+            seqs.append(seq)
+            req = self.requests[seq.request_id]
+            if req.params.n > 1 and seq.num_output_tokens == 0 and len(req.seqs) == 1:
+                for k in range(1, req.params.n):
+                    rows.append(i)
+                    seqs.append(seq.fork(next(self._seq_ids), index=k))
+        return rows, seqs
+
+    def _commit_forks(self, samples: list[tuple]) -> list[tuple]:
+        "After a successful step: fork the planned children for real, from the advanced parent."
+        done, parents = [], {}
+        for seq, *rest in samples:
+            req = self.requests[seq.request_id]
+            if seq.index == 0 or seq in req.seqs:
+                parents[seq.request_id] = seq
+                done.append((seq, *rest))
+                continue
+            parent = parents[seq.request_id]
+            child = parent.fork(seq.seq_id, index=seq.index)  # same id as the one sampled for
+            self.scheduler.fork(parent, child)
+            req.seqs.append(child)
+            self._track(req, child)
+            done.append((child, *rest))
+        return done
+
+    def _emit(self, sched: SchedulerOutput, samples: list[tuple]) -> list[RequestOutput]:
+        "Append each sampled token through the stop checks; outputs of the requests advanced."
+        samples = self._commit_forks(samples)
+        now, touched, emitted = time.monotonic(), {}, 0
+        for it in sched.scheduled:
+            m = self.requests[it.seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        for seq, toks, lps, tops in samples:
+            req = touched[seq.request_id] = self.requests[seq.request_id]
+            for t, lp, top in zip(toks, lps, tops):
+                self._append(req, seq, t, lp, top)
+                emitted += 1
+                if seq.finished:  # nothing after a stop
+                    break
+        self.counters["steps"] += 1
+        self.counters["generation_tokens"] += emitted
+        self.counters["batched_tokens"] += sched.num_batched_tokens
+        self.plugin.after_step(self)
+        return [self._output(r) for r in touched.values() if self.stream_outputs or r.finished]
+
+    def _step_failed(self, sched: SchedulerOutput, err: Exception) -> list[RequestOutput]:
+        "Nothing advanced: the step's requests run again, or past max_retry_attempts end in error."
+        self.last_error = err
+        self.counters["failed_steps"] += 1
+        limit = self.config.max_retry_attempts
+        msg = (f"{type(err).__name__}: {err}".splitlines() or [""])[0]
+        outs = []
+        for rid in dict.fromkeys(it.seq.request_id for it in sched.scheduled):
+            req = self.requests[rid]
+            req.failures += 1
+            if req.failures <= limit:
+                self.counters["retries"] += 1
+                continue
+            req.error = (
+                f"the engine step failed {req.failures} times (max_retry_attempts={limit}); "
+                f"last error: {msg}"
+            )
+            for seq in self.scheduler.abort(rid):
+                seq.status = SequenceStatus.FINISHED_ERROR  # blocks freed, nothing cached
+            req.finished, req.metrics.finished_time = True, time.monotonic()
+            self.counters["failed"] += 1
+            outs.append(self._output(req))
+        return outs
+
+    # --- one token, and the stop checks ---
+    def _append(
+        self, req: _Request, seq: Sequence, token: int, logprob: float, top: dict | None
+    ) -> None:
+        "Add one sampled token to `seq`: its text, logprobs, and the stop checks."
+        p, now = req.params, time.monotonic()
+        seq.append_token(token)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        req.cum_logprob[seq.seq_id] += logprob
+        if top is not None:
+            if self.tokenizer is not None and p.detokenize:
+                top = {
+                    t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t]))
+                    for t, lp in top.items()
+                }
+            req.logprobs[seq.seq_id].append(top)
+        n_out, can_stop = seq.num_output_tokens, seq.num_output_tokens >= p.min_tokens
+        status, reason = None, None
+        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif can_stop and token in p.stop_token_ids:
+            status, reason = SequenceStatus.FINISHED_STOPPED, token
+        # a stop token's text only when asked
+        if (status is None or p.include_stop_str_in_output) and seq.seq_id in req.detok:
+            old = req.text[seq.seq_id]
+            delta = req.detok[seq.seq_id].add(token)  # a special token: "" if skipped
+            text = old + delta
+            hit = None
+            if can_stop and status is None:
+                hit = find_stop_string(text, len(delta), p.stop)
+            if hit:
+                s, i = hit
+                text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
+                status, reason = SequenceStatus.FINISHED_STOPPED, s
+            req.text[seq.seq_id] = text
+        if status is None and p.max_tokens is not None and n_out >= p.max_tokens:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is None and len(seq) >= self.config.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish_seq(req, seq, status, reason)
+
+    def _finish_seq(
+        self, req: _Request, seq: Sequence, status: SequenceStatus, reason=None
+    ) -> None:
+        "`seq` leaves the scheduler (blocks freed); its request finishes with its last sequence."
+        self.scheduler.finish(seq, status)
+        req.stop_reason[seq.seq_id] = reason
+        if all(s.finished for s in req.seqs) and len(req.seqs) == req.params.n:
+            req.finished, req.metrics.finished_time = True, time.monotonic()
+
+    # --- outputs, aborts, stats ---
+    def _output(self, req: _Request) -> RequestOutput:
+        "The request's `RequestOutput` so far (a finished request leaves the engine)."
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        outs = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            text = req.text[seq.seq_id]
+            if not seq.finished and hold:
+                text = text[: max(0, len(text) - hold)]
+            outs.append(
+                CompletionOutput(
+                    seq.index,
+                    text,
+                    list(seq.output_token_ids),
+                    req.cum_logprob[seq.seq_id],
+                    req.logprobs[seq.seq_id] if req.params.logprobs is not None else None,
+                    seq.status.finish_reason,
+                    req.stop_reason.get(seq.seq_id),
+                )
+            )
+        if req.finished:
+            del self.requests[req.request_id]
+        cached = max(s.num_cached_tokens for s in req.seqs)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outs,
+            req.finished,
+            req.metrics,
+            cached,
+            error=req.error,
         )
-    if req.finished:
-        del self.requests[req.request_id]
-    cached = max(s.num_cached_tokens for s in req.seqs)
-    return RequestOutput(
-        req.request_id,
-        req.prompt,
-        req.prompt_token_ids,
-        outs,
-        req.finished,
-        req.metrics,
-        cached,
-        error=req.error,
-    )
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        "Stop requests now and free their blocks; final outputs ('abort') come with the next step."
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self.scheduler.abort(rid)
+            for seq in req.seqs:
+                if not seq.finished:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+            req.finished, req.metrics.finished_time = True, time.monotonic()
+            self.counters["aborted"] += 1
+            self._finished_aborts.append(self._output(req))
+
+    def has_unfinished_requests(self) -> bool:
+        "Whether a request is running or waiting, or a final abort output is still to come."
+        return bool(self.requests) or bool(self._finished_aborts)
+
+    def get_num_unfinished_requests(self) -> int:
+        "Requests running or waiting."
+        return len(self.requests)
+
+    def close(self) -> None:
+        "Stop the runner's worker processes (tensor parallelism); no step can run afterwards."
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
+    @property
+    def stats(self) -> dict:
+        "Counters since start, plus the current queue lengths and KV-cache usage."
+        bs = self.block_manager.stats
+        return {
+            **self.counters,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.block_manager.usage(),
+            "num_blocks": self.config.num_blocks,
+            "preemptions": self.scheduler.stats.preemptions,
+            "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
+            **({"speculative": self.speculator.stats} if self.speculator is not None else {}),
+        }
 
 
-def abort_request(self: LLMEngine, request_id: str | Iterable[str]) -> None:
-    "Stop requests now and free their blocks; their final outputs (finish_reason 'abort') come with the next step."
-    for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-        req = self.requests.get(rid)
-        if req is None:
-            continue
-        self.scheduler.abort(rid)
-        for seq in req.seqs:
-            if not seq.finished:
-                seq.status = SequenceStatus.FINISHED_ABORTED
-        req.finished, req.metrics.finished_time = True, time.monotonic()
-        self.counters["aborted"] += 1
-        self._finished_aborts.append(self._output(req))
-
-
-def has_unfinished_requests(self: LLMEngine) -> bool:
-    return bool(self.requests) or bool(self._finished_aborts)
-
-
-def get_num_unfinished_requests(self: LLMEngine) -> int:
-    return len(self.requests)
-
-
-def close(self: LLMEngine) -> None:
-    "Stop the runner's worker processes, if it has any (tensor parallelism); the engine cannot step afterwards."
-    if hasattr(self.runner, "close"):
-        self.runner.close()
-
-
-@property
-def stats(self: LLMEngine) -> dict:
-    "Counters since start, plus the current queue lengths and KV-cache usage."
-    bs = self.block_manager.stats
-    return {
-        **self.counters,
-        "running": len(self.scheduler.running),
-        "waiting": len(self.scheduler.waiting),
-        "kv_usage": self.block_manager.usage(),
-        "num_blocks": self.config.num_blocks,
-        "preemptions": self.scheduler.stats.preemptions,
-        "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
-        **({"speculative": self.speculator.stats} if self.speculator is not None else {}),
-    }
-
-
-LLMEngine._output, LLMEngine.abort_request, LLMEngine.stats = _output, abort_request, stats
-LLMEngine.has_unfinished_requests, LLMEngine.get_num_unfinished_requests = (
-    has_unfinished_requests,
-    get_num_unfinished_requests,
-)
-LLMEngine.close = close
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    "`logits[rows]`, the tensor itself when `rows` is all of it in order."
+    if rows == list(range(len(logits))):
+        return logits
+    return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
 
 # %% ../nbs/07_engine.ipynb #4e8a084d
@@ -548,8 +491,50 @@ def as_prompt_list(prompts) -> list:
     return prompts
 
 
+# vLLM's `LLM(...)` arguments that are not EngineConfig fields but mean nothing harmful here:
+# accepted with any value of the right kind, and dropped.
+VLLM_HARMLESS_KWARGS = {
+    "enforce_eager": "always true here: no CUDA graphs are captured",
+    "disable_log_stats": "no periodic stats log here (LLMEngine.stats, /metrics)",
+    "trust_remote_code": "no checkpoint code ever runs: only SUPPORTED_ARCHITECTURES load",
+    "swap_space": "preempted sequences are recomputed, never swapped to CPU memory",
+    "max_seq_len_to_capture": "no CUDA graphs are captured",
+    "disable_custom_all_reduce": "tensor parallelism uses torch.distributed's all-reduce",
+    "disable_async_output_proc": "outputs are built in the step, synchronously",
+}
+# vLLM's arguments accepted only at the value that is this engine's behaviour
+VLLM_DEFAULT_ONLY_KWARGS = {
+    "tokenizer_mode": "auto",  # the checkpoint's Hugging Face tokenizer
+    "skip_tokenizer_init": False,  # a tokenizer is loaded when the directory has one
+    "revision": None,  # local directories only: no hub revisions
+    "tokenizer_revision": None,
+    "download_dir": None,  # nothing is downloaded
+    "load_format": "auto",  # safetensors only
+    "kv_cache_dtype": "auto",  # the KV cache has the model's dtype
+    "cpu_offload_gb": 0,
+    "quantization": None,
+}
+
+
 def engine_kwargs(model, config: dict) -> dict:
-    "`EngineConfig` fields from `LLM(...)` arguments, taking what vLLM takes: paths as `Path`, dtype aliases and torch dtypes, `seed=None`."
+    "`EngineConfig` fields from `LLM(...)` arguments, taking what vLLM takes (see `LLM`)."
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = dict(config)
+    for k in [k for k in config if k not in names]:
+        v = config.pop(k)
+        if k in VLLM_HARMLESS_KWARGS and v is not None:
+            continue
+        if k in VLLM_DEFAULT_ONLY_KWARGS and v == VLLM_DEFAULT_ONLY_KWARGS[k]:
+            continue
+        if k in VLLM_DEFAULT_ONLY_KWARGS:
+            raise ValueError(
+                f"{k}={v!r} is not supported by hetero_infer "
+                f"(only {VLLM_DEFAULT_ONLY_KWARGS[k]!r}, this engine's behaviour)"
+            )
+        raise ValueError(
+            f"{k} is not supported by hetero_infer: LLM takes EngineConfig's fields and vLLM's "
+            f"{', '.join(sorted([*VLLM_HARMLESS_KWARGS, *VLLM_DEFAULT_ONLY_KWARGS]))}"
+        )
     out = {**config, "model": None if model is None else str(model)}
     if isinstance(out.get("tokenizer"), Path):
         out["tokenizer"] = str(out["tokenizer"])
@@ -561,7 +546,17 @@ def engine_kwargs(model, config: dict) -> dict:
 
 
 class LLM:
-    "vLLM-shaped offline inference: `LLM(model).generate(prompts, SamplingParams(...))`."
+    """vLLM-shaped offline inference: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+    `LLM(model, **config)` takes `EngineConfig`'s fields, and these vLLM arguments as well:
+    `enforce_eager`, `disable_log_stats`, `trust_remote_code`, `swap_space`,
+    `max_seq_len_to_capture`, `disable_custom_all_reduce`, `disable_async_output_proc`
+    (accepted and dropped: see `VLLM_HARMLESS_KWARGS` for what each means here), and
+    `tokenizer_mode="auto"`, `skip_tokenizer_init=False`, `revision=None`,
+    `tokenizer_revision=None`, `download_dir=None`, `load_format="auto"`,
+    `kv_cache_dtype="auto"`, `cpu_offload_gb=0`, `quantization=None` (this engine's behaviour;
+    another value is a `ValueError`). Any other argument is a `ValueError` naming it.
+    """
 
     def __init__(self, model: str | Path | None = None, **config):
         self.engine = LLMEngine(EngineConfig(**engine_kwargs(model, config)))

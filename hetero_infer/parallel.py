@@ -29,6 +29,7 @@ from hetero_infer.model import (
     resolve_device,
     resolve_dtype,
 )
+from .plugins import RUNNERS
 
 # %% auto #0
 __all__ = [
@@ -558,3 +559,7 @@ def make_runner(config) -> ModelRunner:
             "a tensor-parallel engine is already running in this process; close it first (llm.close())"
         )
     return start_workers(config, world)
+
+
+# LLMEngine builds its runner with it (07); the first registration, the package's, stays
+RUNNERS.setdefault("tensor_parallel", make_runner)

@@ -110,424 +110,336 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _max_kv_tokens(self, seq: Sequence) -> int:
+        "The most positions whose KV `seq` will ever hold: its tokens now, or prompt + max_tokens - 1 (capped by max_model_len)."
+        cap, mt = self.config.max_model_len, seq.params.max_tokens
+        final = seq.num_prompt_tokens + mt if mt is not None else (cap or len(seq.token_ids))
+        if cap is not None:
+            final = min(final, cap)
+        return max(len(seq.token_ids), final - 1)
 
-# %% ../nbs/02_scheduler.ipynb #d2b47019
-def __max_kv_tokens(self: Scheduler, seq: Sequence) -> int:
-    "The most positions whose KV `seq` will ever hold: its tokens now, or prompt + max_tokens - 1 (capped by max_model_len)."
-    cap, mt = self.config.max_model_len, seq.params.max_tokens
-    final = seq.num_prompt_tokens + mt if mt is not None else (cap or len(seq.token_ids))
-    if cap is not None:
-        final = min(final, cap)
-    return max(len(seq.token_ids), final - 1)
-
-
-Scheduler._max_kv_tokens = __max_kv_tokens
-
-
-def __max_blocks(self: Scheduler, seq: Sequence) -> int:
-    "Blocks a request holds at its longest: the prompt's full blocks once (shared by its n forks) plus each fork's own."
-    n, bs = max(seq.params.n, 1), self.block_manager.block_size
-    per_seq, shared = (
-        -(-self._max_kv_tokens(seq) // bs),
-        (seq.num_prompt_tokens // bs if n > 1 else 0),
-    )
-    return shared + n * (per_seq - shared)
-
-
-Scheduler._max_blocks = __max_blocks
-
-
-def _num_admitted(self: Scheduler) -> int:
-    "Sequences admitted now (running + waiting); a request not forked yet counts its n completions."
-    return len(self.waiting) + len(self.running) + sum(self._forks_due.values())
-
-
-Scheduler.num_admitted = _num_admitted
-
-
-def __leave(self: Scheduler, seq: Sequence):
-    "Bookkeeping of a sequence leaving for good: its request's seats go when its last sequence goes."
-    rid = seq.request_id
-    self._members[rid] -= 1
-    if not self._members[rid]:
-        del self._members[rid]
-        self._forks_due.pop(rid, None)
-
-
-Scheduler._leave = __leave
-
-
-def _add(self: Scheduler, seq: Sequence):
-    "Queue a new sequence behind those of equal or lower `priority` value; refuse at once one that could never fit."
-    cfg, bm, rid = self.config, self.block_manager, seq.request_id
-    n, kv = max(seq.params.n, 1), self._max_kv_tokens(seq)
-    blocks, err = self._max_blocks(seq), None
-    if cfg.max_model_len is not None and len(seq.token_ids) > cfg.max_model_len:
-        err = f"max_model_len: request {rid!r} has {len(seq.token_ids)} tokens, more than max_model_len={cfg.max_model_len}"
-    elif n > cfg.max_num_seqs:
-        err = f"max_num_seqs: request {rid!r} asks for n={n} completions, more than max_num_seqs={cfg.max_num_seqs} run at once"
-    elif cfg.max_admitted_seqs is not None and n > cfg.max_admitted_seqs:
-        err = f"max_admitted_seqs: request {rid!r} asks for n={n} completions, more than max_admitted_seqs={cfg.max_admitted_seqs}"
-    elif blocks > bm.num_blocks:
-        err = (
-            f"num_blocks: request {rid!r} may need {blocks} KV blocks ({kv} tokens of KV for each of n={n} completions, "
-            f"sharing {seq.num_prompt_tokens // bm.block_size if n > 1 else 0} full prompt blocks), more than the cache's num_blocks={bm.num_blocks}"
+    def _max_blocks(self, seq: Sequence) -> int:
+        "Blocks a request holds at its longest: the prompt's full blocks once (shared by its n forks) plus each fork's own."
+        n, bs = max(seq.params.n, 1), self.block_manager.block_size
+        per_seq, shared = (
+            -(-self._max_kv_tokens(seq) // bs),
+            (seq.num_prompt_tokens // bs if n > 1 else 0),
         )
-    elif not cfg.enable_chunked_prefill and kv > cfg.max_num_batched_tokens:
-        err = f"max_num_batched_tokens: request {rid!r} may need {kv} tokens in one step, more than max_num_batched_tokens={cfg.max_num_batched_tokens} (chunked prefill is off)"
-    if err:
-        self.stats.rejected += 1
-        raise ValueError(err)
-    if (
-        cfg.max_admitted_seqs is not None
-        and (adm := self.num_admitted()) + n > cfg.max_admitted_seqs
-    ):
-        raise QueueFullError(
-            f"max_admitted_seqs: admitting request {rid!r} (n={n}) would make {adm + n} admitted sequences, "
-            f"more than max_admitted_seqs={cfg.max_admitted_seqs}; retry when some have finished"
-        )
-    self._members[rid] += 1
-    if n > 1 and self._members[rid] == 1 and seq.num_output_tokens == 0:
-        self._forks_due[rid] = n - 1
-    seq.status, w = _WAITING, self.waiting
-    if not w or w[-1].priority <= seq.priority:
-        w.append(seq)
-        return
-    i = len(w)
-    while i and w[i - 1].priority > seq.priority:
-        i -= 1
-    w.insert(i, seq)
+        return shared + n * (per_seq - shared)
 
+    def num_admitted(self) -> int:
+        "Sequences admitted now (running + waiting); a request not forked yet counts its n completions."
+        return len(self.waiting) + len(self.running) + sum(self._forks_due.values())
 
-Scheduler.add = _add
+    def _leave(self, seq: Sequence):
+        "Bookkeeping of a sequence leaving for good: its request's seats go when its last sequence goes."
+        rid = seq.request_id
+        self._members[rid] -= 1
+        if not self._members[rid]:
+            del self._members[rid]
+            self._forks_due.pop(rid, None)
 
-
-# %% ../nbs/02_scheduler.ipynb #a2818e1a
-def __preempt(self: Scheduler, victim: Sequence, out: SchedulerOutput):
-    "Preempt `victim`'s whole request by recompute: free its blocks, forget its KV, put it at the front of the waiting queue."
-    rid = victim.request_id
-    group = [s for s in self.running if s.request_id == rid]
-    self.running = [s for s in self.running if s.request_id != rid]
-    for s in group:
-        self.block_manager.free(s)
-        if self._parked:
-            self._parked.pop(s.seq_id, None)
-        s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
-        s.num_preemptions += 1
-    self.waiting.extendleft(reversed(group))
-    out.preempted += group
-    self.stats.preemptions += len(group)
-
-
-Scheduler._preempt = __preempt
-
-
-def __victim(self: Scheduler) -> Sequence | None:
-    "The running sequence to preempt: the last in (priority, arrival) order whose request has nothing scheduled this step."
-    for s in reversed(self.running):
-        if s.request_id not in self._step_reqs:
-            return s
-    return None
-
-
-Scheduler._victim = __victim
-
-
-def __reserve(self: Scheduler, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-    "Get cache slots for `n` tokens of running `seq` into `out`, preempting others (or `seq` itself) while blocks are short."
-    while True:
-        try:
-            slots, copies = self.block_manager.append_slots(seq, n)
-            break
-        except NoFreeBlocksError:
-            victim = self._victim()
-            if victim is None:
-                return False  # only requests already in this step hold blocks: `seq` waits a step
-            self._preempt(victim, out)
-            if seq.status is not _RUNNING:
-                return False
-    out.scheduled.append(ScheduledSeq(seq, n, slots))
-    if copies:
-        out.block_copies += copies
-    self._step_reqs.add(seq.request_id)
-    return True
-
-
-Scheduler._reserve = __reserve
-
-
-# %% ../nbs/02_scheduler.ipynb #1bf53508
-def __schedule_decodes_at_once(self: Scheduler, out: SchedulerOutput, budget: int) -> int | None:
-    "Fast path: one `append_decode_slots` call reserves a slot for every running decode; returns how many, or None (nothing done) when they do not all fit."
-    room = min(budget, self.config.max_num_seqs - len(out.scheduled))
-    seqs = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
-    if len(seqs) > room:
-        return None
-    try:
-        slots, copies = self.block_manager.append_decode_slots(seqs)
-    except NoFreeBlocksError:
-        return None  # the slow path preempts as needed
-    out.scheduled += [ScheduledSeq(s, 1, [sl]) for s, sl in zip(seqs, slots)]
-    out.block_copies += copies
-    self._step_reqs.update(s.request_id for s in seqs)
-    return len(seqs)
-
-
-Scheduler._schedule_decodes_at_once = __schedule_decodes_at_once
-
-
-def __schedule_running(self: Scheduler, out: SchedulerOutput, budget: int, decodes: bool) -> int:
-    "Schedule running sequences that decode (`decodes`) or continue a prefill; returns the token budget left."
-    chunked, max_seqs = self.config.enable_chunked_prefill, self.config.max_num_seqs
-    if decodes and (n := self._schedule_decodes_at_once(out, budget)) is not None:
-        return budget - n
-    for seq in list(self.running):
-        if budget == 0 or len(out.scheduled) >= max_seqs:
-            break
-        if seq.status is not _RUNNING or (self._parked and seq.seq_id in self._parked):
-            continue  # preempted in this pass, or parked
-        left = len(seq.token_ids) - seq.num_computed_tokens
-        if left < 1 or (left == 1) is not decodes:
-            continue
-        n = left if left <= budget else budget
-        if n < left and not chunked:
-            continue
-        if self._reserve(seq, n, out):
-            budget -= n
-    return budget
-
-
-Scheduler._schedule_running = __schedule_running
-
-
-# %% ../nbs/02_scheduler.ipynb #648ccd1d
-def __head_group(self: Scheduler) -> list[Sequence]:
-    "The waiting sequences of the first request in line (forks of one request wait side by side)."
-    w = self.waiting
-    rid, group = w[0].request_id, [w[0]]
-    for i in range(1, len(w)):
-        if w[i].request_id != rid:
-            break
-        group.append(w[i])
-    return group
-
-
-Scheduler._head_group = __head_group
-
-
-def __common_blocks(self: Scheduler, leader: Sequence, seq: Sequence) -> int:
-    "Leading full blocks `seq` can share with `leader` (equal tokens; never `seq`'s block holding its last token)."
-    bs, a, b = self.block_manager.block_size, leader.token_ids, seq.token_ids
-    m, k = min(len(a) // bs, (len(b) - 1) // bs), 0
-    while k < m and a[k * bs : (k + 1) * bs] == b[k * bs : (k + 1) * bs]:
-        k += 1
-    return k
-
-
-Scheduler._common_blocks = __common_blocks
-
-
-# %% ../nbs/02_scheduler.ipynb #270960bd
-def __admit(self: Scheduler, out: SchedulerOutput, budget: int) -> int:
-    "Move requests from the front of the waiting queue to running while seats, tokens, blocks and the memory threshold allow."
-    cfg, bm = self.config, self.block_manager
-    limit = cfg.memory_threshold * bm.num_blocks
-    while self.waiting and budget > 0:
-        group = self._head_group()
-        head = group[0]
-        seats = len(group) + (
-            head.params.n - 1 if len(group) == 1 and head.num_output_tokens == 0 else 0
-        )  # room for its forks
+    def add(self, seq: Sequence):
+        "Queue a new sequence behind those of equal or lower `priority` value; refuse at once one that could never fit."
+        cfg, bm, rid = self.config, self.block_manager, seq.request_id
+        n, kv = max(seq.params.n, 1), self._max_kv_tokens(seq)
+        blocks, err = self._max_blocks(seq), None
+        if cfg.max_model_len is not None and len(seq.token_ids) > cfg.max_model_len:
+            err = f"max_model_len: request {rid!r} has {len(seq.token_ids)} tokens, more than max_model_len={cfg.max_model_len}"
+        elif n > cfg.max_num_seqs:
+            err = f"max_num_seqs: request {rid!r} asks for n={n} completions, more than max_num_seqs={cfg.max_num_seqs} run at once"
+        elif cfg.max_admitted_seqs is not None and n > cfg.max_admitted_seqs:
+            err = f"max_admitted_seqs: request {rid!r} asks for n={n} completions, more than max_admitted_seqs={cfg.max_admitted_seqs}"
+        elif blocks > bm.num_blocks:
+            err = (
+                f"num_blocks: request {rid!r} may need {blocks} KV blocks ({kv} tokens of KV for each of n={n} completions, "
+                f"sharing {seq.num_prompt_tokens // bm.block_size if n > 1 else 0} full prompt blocks), more than the cache's num_blocks={bm.num_blocks}"
+            )
+        elif not cfg.enable_chunked_prefill and kv > cfg.max_num_batched_tokens:
+            err = f"max_num_batched_tokens: request {rid!r} may need {kv} tokens in one step, more than max_num_batched_tokens={cfg.max_num_batched_tokens} (chunked prefill is off)"
+        if err:
+            self.stats.rejected += 1
+            raise ValueError(err)
         if (
-            len(self.running) + seats > cfg.max_num_seqs
-            or len(out.scheduled) + len(group) > cfg.max_num_seqs
+            cfg.max_admitted_seqs is not None
+            and (adm := self.num_admitted()) + n > cfg.max_admitted_seqs
         ):
-            break
-        if not cfg.enable_chunked_prefill and len(head.token_ids) > budget:
-            break
-        shares = [0] + [self._common_blocks(head, s) for s in group[1:]]
-        need = bm.blocks_needed(head) + sum(
-            -(-len(s.token_ids) // bm.block_size) - k if k else bm.blocks_needed(s)
-            for s, k in zip(group[1:], shares[1:])
-        )
-        free = bm.num_free_blocks()
-        if need > free or (self.running and bm.num_blocks - free + need > limit):
-            break
-        for s, k in zip(group, shares):
-            self.waiting.popleft()
-            s.status = _RUNNING
-            if k:
-                bm.allocate_sibling(s, head, k)
-                self._parked[s.seq_id] = (s, head)
-            else:
-                bm.allocate(s)  # prefix-cache hits set num_computed_tokens
-            if k and head.num_computed_tokens >= k * bm.block_size:
-                bm.join_sibling(s)
-                del self._parked[s.seq_id]
-            if s.seq_id in self._parked:
-                continue  # computes once the leader has computed their common blocks
-            left = len(s.token_ids) - s.num_computed_tokens
-            n = min(left, budget)
-            if n > 0 and (n == left or cfg.enable_chunked_prefill):
-                slots, copies = bm.append_slots(s, n)
-                out.scheduled.append(ScheduledSeq(s, n, slots))
-                out.block_copies += copies
-                self._step_reqs.add(s.request_id)
-                budget -= n
-        i = bisect.bisect_right(
-            self.running,
-            (head.priority, head.arrival_time),
-            key=lambda s: (s.priority, s.arrival_time),
-        )
-        self.running[i:i] = group
-        self.stats.admitted += len(group)
-    return budget
+            raise QueueFullError(
+                f"max_admitted_seqs: admitting request {rid!r} (n={n}) would make {adm + n} admitted sequences, "
+                f"more than max_admitted_seqs={cfg.max_admitted_seqs}; retry when some have finished"
+            )
+        self._members[rid] += 1
+        if n > 1 and self._members[rid] == 1 and seq.num_output_tokens == 0:
+            self._forks_due[rid] = n - 1
+        seq.status, w = _WAITING, self.waiting
+        if not w or w[-1].priority <= seq.priority:
+            w.append(seq)
+            return
+        i = len(w)
+        while i and w[i - 1].priority > seq.priority:
+            i -= 1
+        w.insert(i, seq)
 
-
-Scheduler._admit = __admit
-
-
-def _schedule(self: Scheduler) -> SchedulerOutput:
-    "Build one step: running decodes, then running prefill chunks, then new prefills from the waiting queue."
-    out, self._step_reqs = SchedulerOutput(), set()
-    budget = self.config.max_num_batched_tokens
-    budget = self._schedule_running(out, budget, decodes=True)
-    nd = len(out.scheduled)
-    budget = self._schedule_running(out, budget, decodes=False)
-    if not out.preempted:
-        budget = self._admit(out, budget)  # no new work in a step that had to preempt
-    sched, rest = out.scheduled, out.scheduled[nd:]
-    if any(s.num_tokens == 1 for s in rest):  # a 1-token prefill chunk runs as a decode
-        out.scheduled = (
-            sched[:nd]
-            + [s for s in rest if s.num_tokens == 1]
-            + [s for s in rest if s.num_tokens > 1]
-        )
-    out.num_batched_tokens = self.config.max_num_batched_tokens - budget
-    st, nd = self.stats, out.num_decodes
-    st.decode_tokens += nd
-    st.prefill_tokens += out.num_batched_tokens - nd
-    st.steps += bool(sched)
-    self._last_out = out
-    return out
-
-
-Scheduler.schedule = _schedule
-
-
-# %% ../nbs/02_scheduler.ipynb #ac8d804d
-def _update(self: Scheduler, out: SchedulerOutput):
-    "After the forward pass succeeded: commit every scheduled chunk (advance `num_computed_tokens`, publish full blocks)."
-    if out is not self._last_out:
-        raise ValueError("update(out) takes the output of the latest schedule() call, once")
-    self._last_out, bm, nd = None, self.block_manager, out.num_decodes
-    bm.commit_decodes(
-        [x.seq for x in out.scheduled[:nd] if x.seq.status is _RUNNING]
-    )  # not aborted meanwhile
-    for x in out.scheduled[nd:]:
-        if x.seq.status is _RUNNING:
-            bm.commit(x.seq, x.num_tokens)
-    if self._parked:
-        self._join_parked()
-
-
-Scheduler.update = _update
-
-
-def __join_parked(self: Scheduler):
-    "Parked siblings whose leader has now computed their common blocks share them and start computing."
-    bm = self.block_manager
-    for sid, (s, leader) in list(self._parked.items()):
-        if leader.num_computed_tokens >= bm.lent[sid] * bm.block_size:
-            bm.join_sibling(s)
-            del self._parked[sid]
-
-
-Scheduler._join_parked = __join_parked
-
-
-# %% ../nbs/02_scheduler.ipynb #f4d4eb1b
-def _finish(
-    self: Scheduler, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED
-):
-    "Take a finished sequence out of the batch at once and free its blocks."
-    if not status.finished:
-        raise ValueError(f"status must be a finished status, got {status}")
-    if seq.status is _RUNNING:
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-    elif seq.status is _WAITING:
-        self.waiting.remove(seq)
-    else:
-        raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.status.value})")
-    seq.status = status
-    self._leave(seq)
-    if self._parked:
-        self._unpark(seq)
-    if status is SequenceStatus.FINISHED_ABORTED:
-        self.stats.aborted += 1
-    else:
-        self.stats.finished += 1
-
-
-Scheduler.finish = _finish
-
-
-def __unpark(self: Scheduler, seq: Sequence):
-    "`seq` left: forget it if parked; siblings parked behind it (it never computed their blocks) go back to waiting, to be recomputed."
-    self._parked.pop(seq.seq_id, None)
-    orphans = [s for s, leader in self._parked.values() if leader is seq]
-    for s in orphans:
-        del self._parked[s.seq_id]
-        self.running.remove(s)
-        self.block_manager.free(s)
-        s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
-    self.waiting.extendleft(reversed(orphans))
-
-
-Scheduler._unpark = __unpark
-
-
-def _abort(self: Scheduler, request_id: str) -> list[Sequence]:
-    "Drop every sequence of `request_id`, waiting or running, freeing its blocks at once; returns them."
-    gone = [s for s in self.running if s.request_id == request_id] + [
-        s for s in self.waiting if s.request_id == request_id
-    ]
-    if not gone:
-        return []
-    self.running = [s for s in self.running if s.request_id != request_id]
-    self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
-    for s in gone:
-        if s.status is _RUNNING:
+    def _preempt(self, victim: Sequence, out: SchedulerOutput):
+        "Preempt `victim`'s whole request by recompute: free its blocks, forget its KV, put it at the front of the waiting queue."
+        rid = victim.request_id
+        group = [s for s in self.running if s.request_id == rid]
+        self.running = [s for s in self.running if s.request_id != rid]
+        for s in group:
             self.block_manager.free(s)
-        s.status = SequenceStatus.FINISHED_ABORTED
-        self._leave(s)
+            if self._parked:
+                self._parked.pop(s.seq_id, None)
+            s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
+            s.num_preemptions += 1
+        self.waiting.extendleft(reversed(group))
+        out.preempted += group
+        self.stats.preemptions += len(group)
+
+    def _victim(self) -> Sequence | None:
+        "The running sequence to preempt: the last in (priority, arrival) order whose request has nothing scheduled this step."
+        for s in reversed(self.running):
+            if s.request_id not in self._step_reqs:
+                return s
+        return None
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        "Get cache slots for `n` tokens of running `seq` into `out`, preempting others (or `seq` itself) while blocks are short."
+        while True:
+            try:
+                slots, copies = self.block_manager.append_slots(seq, n)
+                break
+            except NoFreeBlocksError:
+                victim = self._victim()
+                if victim is None:
+                    return (
+                        False  # only requests already in this step hold blocks: `seq` waits a step
+                    )
+                self._preempt(victim, out)
+                if seq.status is not _RUNNING:
+                    return False
+        out.scheduled.append(ScheduledSeq(seq, n, slots))
+        if copies:
+            out.block_copies += copies
+        self._step_reqs.add(seq.request_id)
+        return True
+
+    def _schedule_decodes_at_once(self, out: SchedulerOutput, budget: int) -> int | None:
+        "Fast path: one `append_decode_slots` call reserves a slot for every running decode; returns how many, or None (nothing done) when they do not all fit."
+        room = min(budget, self.config.max_num_seqs - len(out.scheduled))
+        seqs = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        if len(seqs) > room:
+            return None
+        try:
+            slots, copies = self.block_manager.append_decode_slots(seqs)
+        except NoFreeBlocksError:
+            return None  # the slow path preempts as needed
+        out.scheduled += [ScheduledSeq(s, 1, [sl]) for s, sl in zip(seqs, slots)]
+        out.block_copies += copies
+        self._step_reqs.update(s.request_id for s in seqs)
+        return len(seqs)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
+        "Schedule running sequences that decode (`decodes`) or continue a prefill; returns the token budget left."
+        chunked, max_seqs = self.config.enable_chunked_prefill, self.config.max_num_seqs
+        if decodes and (n := self._schedule_decodes_at_once(out, budget)) is not None:
+            return budget - n
+        for seq in list(self.running):
+            if budget == 0 or len(out.scheduled) >= max_seqs:
+                break
+            if seq.status is not _RUNNING or (self._parked and seq.seq_id in self._parked):
+                continue  # preempted in this pass, or parked
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if left < 1 or (left == 1) is not decodes:
+                continue
+            n = left if left <= budget else budget
+            if n < left and not chunked:
+                continue
+            if self._reserve(seq, n, out):
+                budget -= n
+        return budget
+
+    def _head_group(self) -> list[Sequence]:
+        "The waiting sequences of the first request in line (forks of one request wait side by side)."
+        w = self.waiting
+        rid, group = w[0].request_id, [w[0]]
+        for i in range(1, len(w)):
+            if w[i].request_id != rid:
+                break
+            group.append(w[i])
+        return group
+
+    def _common_blocks(self, leader: Sequence, seq: Sequence) -> int:
+        "Leading full blocks `seq` can share with `leader` (equal tokens; never `seq`'s block holding its last token)."
+        bs, a, b = self.block_manager.block_size, leader.token_ids, seq.token_ids
+        m, k = min(len(a) // bs, (len(b) - 1) // bs), 0
+        while k < m and a[k * bs : (k + 1) * bs] == b[k * bs : (k + 1) * bs]:
+            k += 1
+        return k
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        "Move requests from the front of the waiting queue to running while seats, tokens, blocks and the memory threshold allow."
+        cfg, bm = self.config, self.block_manager
+        limit = cfg.memory_threshold * bm.num_blocks
+        while self.waiting and budget > 0:
+            group = self._head_group()
+            head = group[0]
+            seats = len(group) + (
+                head.params.n - 1 if len(group) == 1 and head.num_output_tokens == 0 else 0
+            )  # room for its forks
+            if (
+                len(self.running) + seats > cfg.max_num_seqs
+                or len(out.scheduled) + len(group) > cfg.max_num_seqs
+            ):
+                break
+            if not cfg.enable_chunked_prefill and len(head.token_ids) > budget:
+                break
+            shares = [0] + [self._common_blocks(head, s) for s in group[1:]]
+            need = bm.blocks_needed(head) + sum(
+                -(-len(s.token_ids) // bm.block_size) - k if k else bm.blocks_needed(s)
+                for s, k in zip(group[1:], shares[1:])
+            )
+            free = bm.num_free_blocks()
+            if need > free or (self.running and bm.num_blocks - free + need > limit):
+                break
+            for s, k in zip(group, shares):
+                self.waiting.popleft()
+                s.status = _RUNNING
+                if k:
+                    bm.allocate_sibling(s, head, k)
+                    self._parked[s.seq_id] = (s, head)
+                else:
+                    bm.allocate(s)  # prefix-cache hits set num_computed_tokens
+                if k and head.num_computed_tokens >= k * bm.block_size:
+                    bm.join_sibling(s)
+                    del self._parked[s.seq_id]
+                if s.seq_id in self._parked:
+                    continue  # computes once the leader has computed their common blocks
+                left = len(s.token_ids) - s.num_computed_tokens
+                n = min(left, budget)
+                if n > 0 and (n == left or cfg.enable_chunked_prefill):
+                    slots, copies = bm.append_slots(s, n)
+                    out.scheduled.append(ScheduledSeq(s, n, slots))
+                    out.block_copies += copies
+                    self._step_reqs.add(s.request_id)
+                    budget -= n
+            i = bisect.bisect_right(
+                self.running,
+                (head.priority, head.arrival_time),
+                key=lambda s: (s.priority, s.arrival_time),
+            )
+            self.running[i:i] = group
+            self.stats.admitted += len(group)
+        return budget
+
+    def schedule(self) -> SchedulerOutput:
+        "Build one step: running decodes, then running prefill chunks, then new prefills from the waiting queue."
+        out, self._step_reqs = SchedulerOutput(), set()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget, decodes=True)
+        nd = len(out.scheduled)
+        budget = self._schedule_running(out, budget, decodes=False)
+        if not out.preempted:
+            budget = self._admit(out, budget)  # no new work in a step that had to preempt
+        sched, rest = out.scheduled, out.scheduled[nd:]
+        if any(s.num_tokens == 1 for s in rest):  # a 1-token prefill chunk runs as a decode
+            out.scheduled = (
+                sched[:nd]
+                + [s for s in rest if s.num_tokens == 1]
+                + [s for s in rest if s.num_tokens > 1]
+            )
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        st, nd = self.stats, out.num_decodes
+        st.decode_tokens += nd
+        st.prefill_tokens += out.num_batched_tokens - nd
+        st.steps += bool(sched)
+        self._last_out = out
+        return out
+
+    def update(self, out: SchedulerOutput):
+        "After the forward pass succeeded: commit every scheduled chunk (advance `num_computed_tokens`, publish full blocks)."
+        if out is not self._last_out:
+            raise ValueError("update(out) takes the output of the latest schedule() call, once")
+        self._last_out, bm, nd = None, self.block_manager, out.num_decodes
+        bm.commit_decodes(
+            [x.seq for x in out.scheduled[:nd] if x.seq.status is _RUNNING]
+        )  # not aborted meanwhile
+        for x in out.scheduled[nd:]:
+            if x.seq.status is _RUNNING:
+                bm.commit(x.seq, x.num_tokens)
         if self._parked:
-            self._parked.pop(s.seq_id, None)
-    self.stats.aborted += len(gone)
-    return gone
+            self._join_parked()
 
+    def _join_parked(self):
+        "Parked siblings whose leader has now computed their common blocks share them and start computing."
+        bm = self.block_manager
+        for sid, (s, leader) in list(self._parked.items()):
+            if leader.num_computed_tokens >= bm.lent[sid] * bm.block_size:
+                bm.join_sibling(s)
+                del self._parked[sid]
 
-Scheduler.abort = _abort
+    def finish(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED):
+        "Take a finished sequence out of the batch at once and free its blocks."
+        if not status.finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        if seq.status is _RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is _WAITING:
+            self.waiting.remove(seq)
+        else:
+            raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.status.value})")
+        seq.status = status
+        self._leave(seq)
+        if self._parked:
+            self._unpark(seq)
+        if status is SequenceStatus.FINISHED_ABORTED:
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
 
+    def _unpark(self, seq: Sequence):
+        "`seq` left: forget it if parked; siblings parked behind it (it never computed their blocks) go back to waiting, to be recomputed."
+        self._parked.pop(seq.seq_id, None)
+        orphans = [s for s, leader in self._parked.values() if leader is seq]
+        for s in orphans:
+            del self._parked[s.seq_id]
+            self.running.remove(s)
+            self.block_manager.free(s)
+            s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
+        self.waiting.extendleft(reversed(orphans))
 
-# %% ../nbs/02_scheduler.ipynb #e984d0ea
-def _fork(self: Scheduler, parent: Sequence, child: Sequence):
-    "`child` (from `parent.fork`) shares the parent's blocks and joins its queue right behind the parent's request."
-    q = self.running if parent.status is _RUNNING else self.waiting
-    if parent.status is _RUNNING:
-        self.block_manager.fork(parent, child)
-    elif parent.status is not _WAITING:
-        raise ValueError(f"cannot fork finished sequence {parent.seq_id}")
-    child.status, child.num_computed_tokens = parent.status, parent.num_computed_tokens
-    i = q.index(parent) + 1
-    while i < len(q) and q[i].request_id == parent.request_id:
-        i += 1
-    q.insert(i, child)
-    rid = parent.request_id
-    self._members[rid] += 1
-    if self._forks_due.get(rid):
-        self._forks_due[rid] -= 1
+    def abort(self, request_id: str) -> list[Sequence]:
+        "Drop every sequence of `request_id`, waiting or running, freeing its blocks at once; returns them."
+        gone = [s for s in self.running if s.request_id == request_id] + [
+            s for s in self.waiting if s.request_id == request_id
+        ]
+        if not gone:
+            return []
+        self.running = [s for s in self.running if s.request_id != request_id]
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        for s in gone:
+            if s.status is _RUNNING:
+                self.block_manager.free(s)
+            s.status = SequenceStatus.FINISHED_ABORTED
+            self._leave(s)
+            if self._parked:
+                self._parked.pop(s.seq_id, None)
+        self.stats.aborted += len(gone)
+        return gone
 
-
-Scheduler.fork = _fork
+    def fork(self, parent: Sequence, child: Sequence):
+        "`child` (from `parent.fork`) shares the parent's blocks and joins its queue right behind the parent's request."
+        q = self.running if parent.status is _RUNNING else self.waiting
+        if parent.status is _RUNNING:
+            self.block_manager.fork(parent, child)
+        elif parent.status is not _WAITING:
+            raise ValueError(f"cannot fork finished sequence {parent.seq_id}")
+        child.status, child.num_computed_tokens = parent.status, parent.num_computed_tokens
+        i = q.index(parent) + 1
+        while i < len(q) and q[i].request_id == parent.request_id:
+            i += 1
+        q.insert(i, child)
+        rid = parent.request_id
+        self._members[rid] += 1
+        if self._forks_due.get(rid):
+            self._forks_due[rid] -= 1

@@ -11,6 +11,7 @@ from .block_manager import BlockManager, NoFreeBlocksError
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sampler import Sampler, sampling_probs, exponential_race, row_seed, token_logprobs
 from .model import ModelRunner
+from .plugins import SPECULATORS, StepPlugin
 
 # %% auto #0
 __all__ = [
@@ -151,14 +152,14 @@ def row_generator(
     return torch.Generator(device).manual_seed(row_seed(p.seed ^ salt, seq.index, num_output))
 
 
-def needs_own_state(seq: Sequence) -> bool:
-    "Whether `seq`'s logits depend on its tokens so far (penalties, or min_tokens not yet reached): then each row needs its own view."
+def needs_own_state(seq: Sequence, k: int = 0) -> bool:
+    "Whether `seq`'s logits depend on its tokens before its last `k` (penalties, min_tokens)."
     p = seq.params
     return bool(
         p.presence_penalty
         or p.frequency_penalty
         or p.repetition_penalty != 1
-        or seq.num_output_tokens - seq.num_spec_tokens < p.min_tokens
+        or seq.num_output_tokens - k < p.min_tokens
     )
 
 
@@ -218,7 +219,8 @@ class DraftProposer:
         m, dt = self.real[s.seq_id], d.token_ids
         while m < len(dt) and m < len(toks) and dt[m] == toks[m]:
             m += 1  # proposals the target accepted
-        d.num_computed_tokens = min(d.num_computed_tokens, m)
+        # at least the last token is fed again: its logits give the next proposal (issue 29)
+        d.num_computed_tokens = min(d.num_computed_tokens, m, len(toks) - 1)
         del dt[m:]
         dt += toks[m:]
         self.real[s.seq_id] = len(toks)
@@ -349,24 +351,26 @@ def _probs(x: torch.Tensor, s: Sequence) -> torch.Tensor:
 
 def verify_proposals(
     sampler: Sampler,  # the target's sampler: its bans, penalties and generators apply
-    logits: torch.Tensor,  # (sum(k_i + 1), V) the target's logits at each sequence's last token and proposals
-    seqs: list[Sequence],  # sequences with k_i = num_spec_tokens proposals at the end of token_ids
-    qs: list,  # per sequence: (k_i, V) draft probabilities, or None for a point mass on each proposal
+    logits: torch.Tensor,  # (sum(ks[i] + 1), V) target logits at each last token and proposal
+    seqs: list[Sequence],  # sequences with ks[i] proposals at the end of their token_ids
+    qs: list,  # per sequence: (ks[i], V) draft probabilities, or None: a point mass on each
+    ks: list[int],  # proposals per sequence
 ) -> list[list[int]]:
-    "Per sequence, the accepted proposals and one token more: greedy accepts while the target's argmax agrees; sampling accepts with min(1, p/q)."
+    "Per sequence, accepted proposals and one token more (greedy: argmax agrees; else min(1, p/q))."
     views, starts = [], []
     for s in seqs:
-        k, L = s.num_spec_tokens, len(s.token_ids)
+        k, L = ks[len(starts)], len(s.token_ids)
         starts.append(len(views))
         views += (
-            [seq_view(s, L - k + j) for j in range(k + 1)] if needs_own_state(s) else [s] * (k + 1)
+            [seq_view(s, L - k + j) for j in range(k + 1)]
+            if needs_own_state(s, k)
+            else [s] * (k + 1)
         )  # row j: the state after j proposals
     x = sampler.adjust_logits(
         logits.float(), views
     )  # min_tokens bans and penalties of each row's own state
     best, out = x.argmax(-1).tolist(), []
-    for s, r0, q in zip(seqs, starts, qs):
-        k = s.num_spec_tokens
+    for s, r0, q, k in zip(seqs, starts, qs, ks):
         props, toks = s.token_ids[len(s.token_ids) - k :], []
         if s.params.greedy:
             for j in range(k + 1):
@@ -398,8 +402,8 @@ def verify_proposals(
 
 
 # %% ../nbs/12_speculative_decoding.ipynb #1791adf4
-class Speculator:
-    "The engine's speculative decoding: propose before scheduling, fit proposals to the schedule, verify and rewind after the forward pass."
+class Speculator(StepPlugin):
+    "Speculative decoding as a `StepPlugin`: propose, fit, verify, rewind, settle (see above)."
 
     def __init__(self, config: EngineConfig, vocab_size: int, eos_token_ids=()):
         self.config, self.k = config, config.num_speculative_tokens
@@ -409,26 +413,30 @@ class Speculator:
             else DraftProposer(config, vocab_size, eos_token_ids)
         )
         self.pending: dict[int, Sequence] = {}  # seq_id -> sequence carrying proposals this step
-        self.q: dict[
-            int, torch.Tensor | None
-        ] = {}  # seq_id -> draft probabilities of its proposals
+        self.num_spec: dict[int, int] = {}  # seq_id -> proposals at the end of its token_ids
+        self.q: dict[int, torch.Tensor | None] = {}  # seq_id -> draft probabilities of them
+        self.verified: list[tuple[Sequence, list[int]]] = []  # this step's (sequence, tokens)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_at = [0] * self.k  # how often the j-th proposal was accepted
 
     def budget(self, s: Sequence) -> int:
-        "Proposals `s` can use: k, fewer when max_tokens or max_model_len is near (the last token is always the target's)."
+        "Proposals `s` can use: k, fewer near max_tokens or max_model_len (the last is the target's)."
         p, left = s.params, self.config.max_model_len - len(s.token_ids)
-        return max(
-            0,
-            min(
-                self.k,
-                left,
-                self.k if p.max_tokens is None else p.max_tokens - s.num_output_tokens - 1,
-            ),
-        )
+        most = self.k if p.max_tokens is None else p.max_tokens - s.num_output_tokens - 1
+        return max(0, min(self.k, left, most))
+
+    def candidates(self, engine) -> list[Sequence]:
+        "Running sequences that may speculate: decoding, past their first output, all forks made."
+        return [
+            s
+            for s in engine.scheduler.running
+            if s.num_computed_tokens == len(s.token_ids) - 1
+            and s.num_output_tokens >= 1
+            and len(engine.requests[s.request_id].seqs) == s.params.n
+        ]
 
     def propose(self, candidates: list[Sequence]) -> None:
-        "Append proposals to the token_ids of running decodes (`num_spec_tokens` of them)."
+        "Append proposals to the token_ids of running decodes (`num_spec[seq_id]` of them)."
         ks = [self.budget(s) for s in candidates]
         self.proposer.drop({s.seq_id for s, k in zip(candidates, ks) if k})
         props, qs = self.proposer.propose(candidates, ks)
@@ -436,7 +444,7 @@ class Speculator:
             if not prop:
                 continue
             s.token_ids += prop
-            s.num_spec_tokens = len(prop)
+            self.num_spec[s.seq_id] = len(prop)
             self.pending[s.seq_id], self.q[s.seq_id] = s, q
 
     def strip(self, s: Sequence, m: int) -> None:
@@ -444,43 +452,48 @@ class Speculator:
         if m <= 0:
             return
         del s.token_ids[len(s.token_ids) - m :]
-        s.num_spec_tokens -= m
+        k = self.num_spec[s.seq_id] = self.num_spec[s.seq_id] - m
         q = self.q.get(s.seq_id)
         if q is not None:
-            self.q[s.seq_id] = q[: s.num_spec_tokens]
+            self.q[s.seq_id] = q[:k]
 
     def fit(self, sched: SchedulerOutput) -> None:
-        "Keep what the step runs: every proposal of a sequence scheduled whole, the first n - 1 of one given n tokens, none of one left out."
+        "Keep what the step runs: all proposals of a sequence scheduled whole, n - 1 of one given n."
         item = {it.seq.seq_id: it for it in sched.scheduled}
         for sid, s in list(self.pending.items()):
             n = item[sid].num_tokens if sid in item else 0
-            self.strip(s, s.num_spec_tokens - max(n - 1, 0))
+            self.strip(s, self.num_spec[sid] - max(n - 1, 0))
             if n:  # the chunk now ends at the last proposal: a row for it and for each proposal
-                item[sid].num_logits = s.num_spec_tokens + 1
-            if not s.num_spec_tokens:
-                del self.pending[sid]
-                self.q.pop(sid, None)
+                item[sid].num_logits = self.num_spec[sid] + 1
+            if not self.num_spec[sid]:
+                self._forget(sid)
+
+    def _forget(self, sid: int) -> None:
+        "Sequence `sid` carries no proposals any more."
+        del self.pending[sid]
+        self.num_spec.pop(sid, None)
+        self.q.pop(sid, None)
 
     def abandon(self) -> None:
         "The step failed: every proposal goes (the step is retried as plain decodes)."
-        for s in self.pending.values():
-            self.strip(s, s.num_spec_tokens)
-        self.pending.clear()
-        self.q.clear()
+        for sid, s in list(self.pending.items()):
+            self.strip(s, self.num_spec[sid])
+            self._forget(sid)
 
     def verify(
         self, sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]
     ) -> list[tuple[list[int], list, list]]:
-        "Per sequence: the tokens to emit (accepted proposals, then the target's), their logprobs and top-logprob dicts."
-        toks = verify_proposals(sampler, logits, seqs, [self.q.get(s.seq_id) for s in seqs])
+        "Per sequence: the tokens to emit (accepted proposals, then the target's), logprobs, tops."
+        ks = [self.num_spec[s.seq_id] for s in seqs]
+        toks = verify_proposals(sampler, logits, seqs, [self.q.get(s.seq_id) for s in seqs], ks)
         rows, flat, num_top, r = [], [], [], 0
-        for s, t in zip(seqs, toks):
+        for s, t, k in zip(seqs, toks, ks):
             rows += range(r, r + len(t))
             flat += t
             num_top += [s.params.logprobs] * len(t)
-            r += s.num_spec_tokens + 1
+            r += k + 1
             self.num_drafts += 1
-            self.num_draft_tokens += s.num_spec_tokens
+            self.num_draft_tokens += k
             self.num_accepted_tokens += len(t) - 1
             for j in range(len(t) - 1):
                 self.accepted_at[j] += 1
@@ -497,30 +510,52 @@ class Speculator:
             i += len(t)
         return out
 
-    def rewind(
-        self, sched: SchedulerOutput, seqs: list[Sequence], emitted: list[list[int]]
-    ) -> None:
-        "Before the scheduler commits: drop rejected proposals, so only the KV of accepted tokens is committed (and maybe cached)."
+    def rewind(self, sched: SchedulerOutput, seqs: list[Sequence], emitted: list[list[int]]):
+        "Before the commit: drop rejected proposals, so only accepted tokens' KV is committed."
         item = {it.seq.seq_id: it for it in sched.scheduled}
         for s, t in zip(seqs, emitted):
-            rejected = s.num_spec_tokens - (len(t) - 1)
+            rejected = self.num_spec[s.seq_id] - (len(t) - 1)
             del s.token_ids[len(s.token_ids) - rejected :]
             item[s.seq_id].num_tokens -= rejected
-            s.num_spec_tokens = 0
         self.pending.clear()
+        self.num_spec.clear()
         self.q.clear()
 
     def settle(self, bm: BlockManager, seqs: list[Sequence], emitted: list[list[int]]) -> None:
-        "After the commit: take the accepted proposals out again (the engine appends each emitted token with its stop checks) and free empty tail blocks."
+        "After the commit: accepted proposals leave again (the engine appends them), tail blocks free."
         for s, t in zip(seqs, emitted):
             if len(t) > 1:
                 del s.token_ids[len(s.token_ids) - (len(t) - 1) :]
             if s.status is SequenceStatus.RUNNING:
                 free_tail_blocks(bm, s, -(-s.num_computed_tokens // bm.block_size))
 
+    # --- the StepPlugin hooks LLMEngine.step calls ---
+    def before_schedule(self, engine) -> None:
+        self.propose(self.candidates(engine))
+
+    def after_schedule(self, sched: SchedulerOutput) -> None:
+        self.fit(sched)
+
+    def step_failed(self) -> None:
+        self.abandon()
+
+    def before_update(self, sched: SchedulerOutput, samples: list) -> None:
+        self.verified = [(s, toks) for s, toks, *_ in samples if s.seq_id in self.pending]
+        if self.verified:
+            self.rewind(sched, *zip(*self.verified))
+
+    def after_update(self, engine, samples: list) -> None:
+        if self.verified:
+            self.settle(engine.block_manager, *zip(*self.verified))
+        self.verified = []
+
+    def after_step(self, engine) -> None:
+        if not engine.scheduler.running:
+            self.proposer.drop(set())  # the draft's cache empties with the engine
+
     @property
     def stats(self) -> dict:
-        "Acceptance counters: drafts verified, tokens proposed and accepted, the acceptance rate and tokens per verification."
+        "Acceptance counters: drafts verified, tokens proposed and accepted, rate, mean length."
         return {
             "method": self.config.speculative_method,
             "num_speculative_tokens": self.k,
@@ -532,3 +567,6 @@ class Speculator:
             / max(self.num_drafts, 1),
             "accepted_per_position": list(self.accepted_at),
         }
+
+
+SPECULATORS.update(ngram=Speculator, draft=Speculator)  # LLMEngine finds them here

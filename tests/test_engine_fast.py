@@ -977,3 +977,23 @@ def test_bf16_spellings_agree():
         == "bfloat16"
         == engine_kwargs(None, {"dtype": "bf16"})["dtype"]
     )
+
+
+def test_vllm_constructor_arguments_are_taken_or_refused_by_name(tiny_path):
+    "Issue 29 item 14: LLM(enforce_eager=True, ...) no longer dies with an internal TypeError."
+    llm = tiny(
+        tiny_path,
+        enforce_eager=True,
+        trust_remote_code=True,
+        disable_log_stats=True,
+        swap_space=4,
+        tokenizer_mode="auto",
+        quantization=None,
+    )
+    assert llm.engine.config.num_blocks == 64
+    for kw, name in [
+        ({"enable_lora": True}, "enable_lora"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache"),
+    ]:
+        msg = _error(tiny, tiny_path, **kw)
+        assert msg.startswith(name) and "not supported by hetero_infer" in msg

@@ -395,3 +395,58 @@ def test_verification_through_the_triton_backend():
     llm = demo(attention_backend="triton", speculative_method="ngram", num_speculative_tokens=4)
     assert [o.outputs[0].token_ids for o in llm.generate(qs, sp, use_tqdm=False)] == ref
     assert llm.engine.stats["speculative"]["num_accepted_tokens"] > 0
+
+
+# --- issue 29 item 1: proposals trimmed by the budget, the cache or n > 1 ---
+
+
+def test_draft_speculation_with_a_small_budget_does_not_crash():
+    "The reported cases: the draft's sync left every draft token computed, then asked for 0 slots."
+    d, sp = str(DEMO_MODEL_DIR), SamplingParams(temperature=0, max_tokens=12)
+    prompts = [[1, 5, 6, 7], [1, 8, 9, 10]]
+    plain = LLM(d, **CPU, num_blocks=64).generate(prompts, sp, use_tqdm=False)
+    kw = dict(speculative_method="draft", speculative_model=d, num_speculative_tokens=3)
+    got = LLM(d, **CPU, num_blocks=64, max_num_batched_tokens=6, **kw)
+    for a, b in zip(got.generate(prompts, sp, use_tqdm=False), plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    six = [[1, 5 + i, 6, 7, 8 + i] for i in range(6)]
+    sp2 = SamplingParams(temperature=0, max_tokens=10, n=2)
+    plain = LLM(d, **CPU, num_blocks=64).generate(six, sp2, use_tqdm=False)
+    tight = LLM(d, device="cpu", dtype="float32", block_size=4, num_blocks=20, **kw)
+    for a, b in zip(tight.generate(six, sp2, use_tqdm=False), plain):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_trimmed_proposals_keep_greedy_output(family_ckpt, method):
+    "Random small budgets, tight caches, n in {1, 2}, k in [1, 4]: greedy output stays plain greedy."
+    import random
+
+    path, draft, ps, _ = family_ckpt
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = LLM(str(path), num_blocks=128, **CPU).generate(ps, sp, use_tqdm=False)
+    plain = {tuple(p): o.outputs[0].token_ids for p, o in zip(ps, outs)}
+    rng = random.Random(f"{path.name}-{method}")
+    extra = dict(speculative_model=str(draft)) if method == "draft" else {}
+    for _ in range(3):
+        n, prompts = rng.choice([1, 2]), rng.sample(ps, rng.randint(2, len(ps)))
+        llm = LLM(
+            str(path),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            num_blocks=rng.randint(14, 40),
+            max_num_batched_tokens=rng.randint(2, 12),
+            max_num_seqs=rng.randint(2, 6),
+            speculative_method=method,
+            num_speculative_tokens=rng.randint(1, 4),
+            **extra,
+        )
+        got = llm.generate(
+            prompts,
+            SamplingParams(temperature=0, max_tokens=10, n=n, ignore_eos=True),
+            use_tqdm=False,
+        )
+        for p, o in zip(prompts, got):
+            assert [c.token_ids for c in o.outputs] == [plain[tuple(p)]] * n
+        assert llm.engine.block_manager.num_free_blocks() == llm.engine.config.num_blocks
