@@ -248,7 +248,7 @@ class Sampler:
     def adjust_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         "logit_bias, penalties, min_tokens bans: (N, V), the input itself when no row needs any."
         V = logits.shape[-1]
-        x = apply_logit_bias(logits, [getattr(s.params, "logit_bias", None) for s in seqs])
+        x = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
         x = self._penalize(x, seqs)
         bans = [[t for t in _banned_ids(s, self.eos_token_ids) if t < V] for s in seqs]
         if any(bans):  # after the penalties is the same: they keep -inf at -inf

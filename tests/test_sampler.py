@@ -24,9 +24,9 @@ from hetero_infer.sampler import (
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def seq(prompt=(1,), out=(), seq_id=0, index=0, logit_bias=None, **kw) -> Sequence:
+def seq(prompt=(1,), out=(), seq_id=0, index=0, **kw) -> Sequence:
     "A sequence with prompt `prompt` that has generated `out` so far."
-    s = Sequence(
+    return Sequence(
         seq_id,
         f"r{seq_id}",
         list(prompt) + list(out),
@@ -34,8 +34,6 @@ def seq(prompt=(1,), out=(), seq_id=0, index=0, logit_bias=None, **kw) -> Sequen
         SamplingParams(**kw),
         index=index,
     )
-    s.params.logit_bias = logit_bias  # (set after construction: works before and after core has it)
-    return s
 
 
 def rand_logits(n, v, seed, scale=3.0):
