@@ -1,5 +1,6 @@
-"""The benchmark tool: workload generator, statistics, JSON output, a tiny offline run against both transformers peers,
-the step-loop tracer and phase profiler, random-weight checkpoints, and `bench serve` against a real server."""
+"""The benchmark tool: workload generator, statistics, JSON output, a tiny offline run against both
+transformers peers, the step-loop tracer and phase profiler, random-weight checkpoints, and `bench
+serve` against a real server."""
 
 import argparse
 import importlib.util
@@ -10,26 +11,20 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from hetero_infer import bench
-from hetero_infer.bench import (
-    Timing,
-    percentile,
-    measure,
-    random_workload,
-    fit_workload,
-    poisson_arrivals,
-    serve_metrics,
-    RequestRecord,
-    dummy_checkpoint,
+from hetero_infer import bench_peers
+from hetero_infer.bench import bench_command
+from hetero_infer.bench_args import add_bench_arguments
+from hetero_infer.bench_experiments import (
+    PHASES,
     bench_engine,
     make_requests,
-    trace_engine,
     step_breakdown,
-    add_bench_arguments,
-    bench_command,
-    offline_bench,
-    PHASES,
+    trace_engine,
 )
+from hetero_infer.bench_load import RequestRecord, poisson_arrivals, serve_metrics
+from hetero_infer.bench_peers import format_offline, offline_bench
+from hetero_infer.bench_workload import Timing, fit_workload, measure, percentile, random_workload
+from hetero_infer.testing import DUMMY_CONFIGS, dummy_checkpoint
 from hetero_infer.demo import DEMO_MODEL_DIR
 
 
@@ -171,11 +166,11 @@ def test_dummy_checkpoint_loads_in_ours_and_transformers(tmp_path):
         dummy_checkpoint("nope")
 
 
-@pytest.mark.parametrize("name", sorted(bench.DUMMY_CONFIGS))
+@pytest.mark.parametrize("name", sorted(DUMMY_CONFIGS))
 def test_public_configs_parse(name):
     from hetero_infer.model import parse_config
 
-    c = parse_config(bench.DUMMY_CONFIGS[name])
+    c = parse_config(DUMMY_CONFIGS[name])
     assert (
         c.num_layers >= 2
         and c.num_heads % c.num_kv_heads == 0
@@ -197,7 +192,7 @@ def test_offline_bench_all_peers_tiny():
         assert r["ours_over_this"] == pytest.approx(ours / r["output_tok_s"])
     assert res["results"][1]["batch_size"] == 3 and len(res["results"][2]["sweep_s"]) >= 2
     assert res["machine"]["torch_threads"] == torch.get_num_threads()
-    assert "ours/this" in bench.format_offline(res)
+    assert "ours/this" in format_offline(res)
 
 
 def test_offline_command_writes_json(tmp_path, capsys):
@@ -241,7 +236,8 @@ def test_offline_command_writes_json(tmp_path, capsys):
 
 
 def test_offline_bench_times_the_systems_in_turns(monkeypatch):
-    "Warm-ups first, then ours, theirs, ours, theirs, ...: a load spike on a shared machine lands on every system, not on one."
+    """Warm-ups first, then ours, theirs, ours, theirs, ...: a load spike on a shared machine lands
+    on every system, not on one."""
     order = []
 
     def traced(name, make):
@@ -256,9 +252,8 @@ def test_offline_bench_times_the_systems_in_turns(monkeypatch):
 
         return make_traced
 
-    monkeypatch.setattr(bench, "ours_job", traced("ours", bench.ours_job))
-    monkeypatch.setattr(bench, "hf_static_job", traced("hf-static", bench.hf_static_job))
-    monkeypatch.setattr(bench, "hf_cb_job", traced("hf-cb", bench.hf_cb_job))
+    for name, job in [("ours", "ours_job"), ("hf-static", "hf_static_job"), ("hf-cb", "hf_cb_job")]:
+        monkeypatch.setattr(bench_peers, job, traced(name, getattr(bench_peers, job)))
     wl = random_workload(4, (3, 8), (2, 4), vocab_size=297, seed=1)
     res = offline_bench(
         DEMO_MODEL_DIR,
@@ -291,7 +286,8 @@ def test_bad_input_exits_2_naming_the_field(argv, field, capsys):
 
 
 def test_help_documents_every_option():
-    "Every option of `bench offline` and `bench serve` has help that shows its default, and its choices when it has some."
+    """Every option of `bench offline` and `bench serve` has help that shows its default, and its
+    choices when it has some."""
     ap = parser()
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
     for name, p in sub.choices.items():
@@ -361,7 +357,8 @@ def test_step_breakdown_phases_sum_to_the_step_and_unwrap():
     reason="hetero_infer.server is not built yet (09_server): bench serve needs a real server",
 )
 def test_serve_bench_against_real_server(tmp_path, capsys):
-    "`hetero-infer bench serve` starting its own server: every request served, the command stored, and a header that says where the server ran."
+    """`hetero-infer bench serve` starting its own server: every request served, the command
+    stored, and a header that says where the server ran."""
     out = tmp_path / "serve.json"
     args = parser().parse_args(
         [
@@ -389,8 +386,8 @@ def test_serve_bench_against_real_server(tmp_path, capsys):
         and res["url"].startswith("http://127.0.0.1:")
     )
     assert (
-        f"model: hetero-infer, served by `hetero-infer serve --model {DEMO_MODEL_DIR.name}` started by this benchmark;"
-        in printed
+        "model: hetero-infer, served by "
+        f"`hetero-infer serve --model {DEMO_MODEL_DIR.name}` started by this benchmark;" in printed
     )
     assert (
         res["serve_args"] == ["--model", str(DEMO_MODEL_DIR)] and str(DEMO_MODEL_DIR) not in printed
@@ -403,3 +400,33 @@ def test_serve_bench_against_real_server(tmp_path, capsys):
             res["workload"]["output_tokens"] / r["duration_s"]
         )
         assert 0 < r["ttft"]["p50_ms"] <= r["ttft"]["p99_ms"] <= r["e2e"]["p99_ms"]
+
+
+def test_offline_output_in_a_missing_directory(tmp_path):
+    """Issue 29 item 5, through the installed command: `--output missing_dir/x.json` is created
+    before the run (it was a traceback after it, the results lost); an unwritable one exits 2
+    first."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    exe = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = ["bench", "offline", "--num-requests", "2", "--input-len", "3,5", "--output-len", "2,3"]
+    argv += ["--peers", "", "--repeats", "1", "--warmup", "0"]
+    out = tmp_path / "missing" / "dir" / "x.json"
+    r = subprocess.run([exe, *argv, "--output", str(out)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert json.loads(out.read_text())["workload"]["num_requests"] == 2
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    t = time.perf_counter()
+    r = subprocess.run(
+        [exe, *argv, "--output", str(blocker / "x.json")], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert (
+        r.stderr.strip().splitlines()[-1].startswith("hetero-infer: error: --output: cannot create")
+    )
+    assert "ours:" not in r.stdout and time.perf_counter() - t < 60  # refused before running
