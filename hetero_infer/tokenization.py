@@ -58,7 +58,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 def load_tokenizer(
     path: str | Path | None, required: bool = False
 ):  # True for a tokenizer the user named: a directory without one is an error
-    "The HF tokenizer in `path`, or None when the directory has none (prompts must then be token ids)."
+    "The HF tokenizer in `path`, or None when the directory has none (prompts: token ids then)."
     from transformers import AutoTokenizer
 
     p = Path(path) if path is not None else None
@@ -74,7 +74,8 @@ def load_tokenizer(
 
 # %% ../nbs/07_engine.ipynb #0a87681e
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
-    "The first stop string in `text` that overlaps its last `new_len` characters, and where it starts."
+    """The first stop string in `text` that overlaps its last `new_len` characters, and where it
+    starts."""
     if not stops or new_len == 0:
         return None
     best = None

@@ -1,6 +1,7 @@
-"""Which cached blocks the prefix cache evicts first: the least recently used, and of one finished sequence its tail
-before its head (so a shared prefix survives longest). Driven through the scheduler (schedule -> update -> finish), so the
-tests hold whenever a block is published, and observed through prefix hits (`num_cached_tokens`) at admission."""
+"""Which cached blocks the prefix cache evicts first: the least recently used, and of one finished
+sequence its tail before its head (so a shared prefix survives longest). Driven through the
+scheduler (schedule -> update -> finish), so the tests hold whenever a block is published, and
+observed through prefix hits (`num_cached_tokens`) at admission."""
 
 import itertools
 from hetero_infer.core import EngineConfig, SamplingParams, Sequence, SequenceStatus
@@ -17,7 +18,8 @@ def make_sched(num_blocks):
 
 
 def run(sch, tokens) -> int:
-    "Admit a prompt, compute all of it, finish it (its blocks become evictable); returns its prefix-cache hit tokens."
+    """Admit a prompt, compute all of it, finish it (its blocks become evictable); returns its
+    prefix-cache hit tokens."""
     seq = Sequence(
         next(_ids), f"r{next(_ids)}", list(tokens), len(tokens), SamplingParams(max_tokens=1)
     )
@@ -47,7 +49,8 @@ def test_lru_evicts_least_recently_used_first():
 
 
 def test_a_hit_makes_a_block_recently_used():
-    "Reusing p1's prefix after p2 was cached makes p1 the more recent: a new prompt then evicts p2, not p1."
+    """Reusing p1's prefix after p2 was cached makes p1 the more recent: a new prompt then evicts
+    p2, not p1."""
     sch = make_sched(4)
     p1, p2, p3 = prompt(11), prompt(21), prompt(31)
     run(sch, p1)
@@ -59,7 +62,8 @@ def test_a_hit_makes_a_block_recently_used():
 
 
 def test_finished_sequence_releases_its_tail_first():
-    "A 3-full-block prompt is freed tail first: a later request that needs one cached block takes the third, keeping the head."
+    """A 3-full-block prompt is freed tail first: a later request that needs one cached block takes
+    the third, keeping the head."""
     sch = make_sched(4)
     long = [
         5,
@@ -85,7 +89,8 @@ def test_finished_sequence_releases_its_tail_first():
 
 
 def test_shared_prefix_survives_longest():
-    "Of two prompts sharing a first block, the shared head outlives both tails when the pool comes under pressure."
+    """Of two prompts sharing a first block, the shared head outlives both tails when the pool comes
+    under pressure."""
     sch = make_sched(5)
     shared = [1, 2, 3, 4]
     a, b = shared + [5, 5, 5, 5, 7], shared + [6, 6, 6, 6, 7]  # 9 tokens: 2 full blocks + 1

@@ -1,9 +1,9 @@
-"Core types: hetero-paged-infer's config format, JSON round trips, and every bound of `SamplingParams` and `EngineConfig`."
+"""Core types: hetero-paged-infer's config format, JSON round trips, and every bound of
+`SamplingParams` and `EngineConfig`."""
 
 import json
 import math
 import pytest
-from pathlib import Path
 from hetero_infer.core import (
     EngineConfig,
     ServingConfig,
@@ -119,7 +119,8 @@ def test_command_bridge_is_refused_saying_why():
     )
     with pytest.raises(
         ValueError,
-        match=r"serving\.backend\.kind 'command_bridge' is not supported.*shell command per prompt.*in-process",
+        match=r"serving\.backend\.kind 'command_bridge' is not supported"
+        r".*shell command per prompt.*in-process",
     ):
         EngineConfig.from_json(bad)
 
@@ -410,11 +411,12 @@ def test_min_tokens_at_most_max_tokens():
     SamplingParams(min_tokens=4, max_tokens=4)
 
 
-# --- exact messages and normalizations (issue 18: from a full mutation run of core) ----------------------------------
+# --- exact messages and normalizations (issue 18: from a full mutation run of core)
 
-from hetero_infer.core import Sequence
+from hetero_infer.core import Sequence  # noqa: E402
 
-# (what is built, its arguments, the exception, its message): every message names the field, the rule and the value.
+# (what is built, its arguments, the exception, its message): every message names the field, the
+# rule and the value.
 BAD = [
     ("E", {"model": 5}, "ValueError", "model must be a path or None, got 5"),
     ("E", {"tokenizer": 5}, "ValueError", "tokenizer must be a path or None, got 5"),
@@ -422,19 +424,22 @@ BAD = [
         "E",
         {"dtype": "float8"},
         "ValueError",
-        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, fp16, bf16, or a torch dtype), got 'float8'",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, "
+        "fp16, bf16, or a torch dtype), got 'float8'",
     ),
     (
         "E",
         {"dtype": None},
         "ValueError",
-        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, fp16, bf16, or a torch dtype), got None",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, "
+        "fp16, bf16, or a torch dtype), got None",
     ),
     (
         "E",
         {"dtype": ["float16"]},
         "ValueError",
-        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, fp16, bf16, or a torch dtype), got ['float16']",
+        "dtype must be one of ('auto', 'float32', 'float16', 'bfloat16') (or float, fp32, half, "
+        "fp16, bf16, or a torch dtype), got ['float16']",
     ),
     (
         "E",
@@ -541,19 +546,22 @@ BAD = [
         "E",
         {"speculative_method": "draft"},
         "ValueError",
-        "speculative_model must name the draft checkpoint directory when speculative_method is 'draft'",
+        "speculative_model must name the draft checkpoint directory when speculative_method is "
+        "'draft'",
     ),
     (
         "E",
         {"speculative_model": "/d"},
         "ValueError",
-        "speculative_model is only used with speculative_method='draft', got speculative_method=None",
+        "speculative_model is only used with speculative_method='draft', got "
+        "speculative_method=None",
     ),
     (
         "E",
         {"speculative_method": "ngram", "speculative_model": "/d"},
         "ValueError",
-        "speculative_model is only used with speculative_method='draft', got speculative_method='ngram'",
+        "speculative_model is only used with speculative_method='draft', got "
+        "speculative_method='ngram'",
     ),
     (
         "E",
@@ -616,13 +624,19 @@ BAD = [
         "J",
         {"serving": {"x": 1}},
         "ValueError",
-        "unknown config key(s) serving.x; known: api_key, host, max_queued_requests, model_name, port",
+        "unknown config key(s) serving.x; known: api_key, host, max_queued_requests, model_name, "
+        "port",
     ),
     (
         "J",
         {"bogus": 1},
         "ValueError",
-        "unknown config key(s) bogus; known: attention_backend, block_size, device, dtype, enable_chunked_prefill, enable_prefix_caching, gpu_memory_utilization, max_admitted_seqs, max_model_len, max_num_batched_tokens, max_num_seqs, max_retry_attempts, memory_threshold, model, num_blocks, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, seed, serving, speculative_method, speculative_model, tensor_parallel_size, tokenizer",
+        "unknown config key(s) bogus; known: attention_backend, block_size, device, dtype, "
+        "enable_chunked_prefill, enable_prefix_caching, gpu_memory_utilization, "
+        "max_admitted_seqs, max_model_len, max_num_batched_tokens, max_num_seqs, "
+        "max_retry_attempts, memory_threshold, model, num_blocks, num_speculative_tokens, "
+        "prompt_lookup_max, prompt_lookup_min, seed, serving, speculative_method, "
+        "speculative_model, tensor_parallel_size, tokenizer",
     ),
     (
         "J",
@@ -634,7 +648,8 @@ BAD = [
         "J",
         {"tokenizer": {"kind": "bpe"}},
         "ValueError",
-        "tokenizer.kind must be one of ('simple', 'huggingface') (both load a Hugging Face tokenizer), got 'bpe'",
+        "tokenizer.kind must be one of ('simple', 'huggingface') (both load a Hugging Face "
+        "tokenizer), got 'bpe'",
     ),
     (
         "J",
@@ -653,13 +668,16 @@ BAD = [
         "J",
         {"serving": {"backend": {"kind": "command_bridge"}}},
         "ValueError",
-        "serving.backend.kind 'command_bridge' is not supported: it runs a shell command per prompt, while this engine runs the model in-process and batches requests itself; use 'local_engine'",
+        "serving.backend.kind 'command_bridge' is not supported: it runs a shell command per "
+        "prompt, while this engine runs the model in-process and batches requests itself; use "
+        "'local_engine'",
     ),
     (
         "J",
         {"serving": {"backend": {"kind": "remote"}}},
         "ValueError",
-        "serving.backend.kind must be 'local_engine' (the model runs in this process), got 'remote'",
+        "serving.backend.kind must be 'local_engine' (the model runs in this process), got "
+        "'remote'",
     ),
     (
         "J",
@@ -796,7 +814,8 @@ def test_request_output_repr():
     r = RequestOutput("a", "p", [5], outs, True, error="boom")
     assert (
         repr(r)
-        == "RequestOutput('a', prompt='p', finished=True, error='boom': [0] 'hi' (2 tok, stop); [1] '' (0 tok, error))"
+        == "RequestOutput('a', prompt='p', finished=True, error='boom': [0] 'hi' (2 tok, stop); "
+        "[1] '' (0 tok, error))"
     )
     assert (
         repr(RequestOutput("b", None, [5], outs[:1]))
@@ -805,7 +824,8 @@ def test_request_output_repr():
 
 
 def test_serving_must_be_an_object():
-    "A `serving` that is neither a dict nor a ServingConfig is refused naming the field (it was accepted: found by a mutation run)."
+    """A `serving` that is neither a dict nor a ServingConfig is refused naming the field (it was
+    accepted: found by a mutation run)."""
     for bad in (5, "x", [1]):
         with pytest.raises(ValueError, match="serving must be an object"):
             EngineConfig(serving=bad)

@@ -1,4 +1,5 @@
-"""`SamplingParams(detokenize=False)`: token ids only, no detokenizer runs, the same tokens as with text; stop strings are refused."""
+"""`SamplingParams(detokenize=False)`: token ids only, no detokenizer runs, the same tokens as with
+text; stop strings are refused."""
 
 import pytest
 from hetero_infer.core import SamplingParams
@@ -15,7 +16,7 @@ def test_detokenize_off_gives_the_same_tokens_and_no_text():
     )
     assert llm.engine.requests["off"].detok == {}  # no detokenizer was made for it
     while llm.engine.has_unfinished_requests():
-        outs = llm.engine.step()
+        llm.engine.step()
     off = llm.generate(
         q,
         SamplingParams(temperature=0, max_tokens=12, logprobs=1, detokenize=False),

@@ -1,5 +1,6 @@
-"""Incremental detokenization with a SentencePiece-style tokenizer (pieces carry a leading-space marker "▁", and the
-Metaspace decoder drops that space on the first piece it decodes), and stop strings that span tokens, through the engine."""
+"""Incremental detokenization with a SentencePiece-style tokenizer (pieces carry a leading-space
+marker "▁", and the Metaspace decoder drops that space on the first piece it decodes), and stop
+strings that span tokens, through the engine."""
 
 import pytest
 from hypothesis import given, strategies as st
@@ -13,7 +14,8 @@ PIECES = ["lo", "he", "ll", "o", "w", "r", "ld", "ca", "t", "s", "at", "m", "e",
 
 
 def sentencepiece_tokenizer():
-    "A small Unigram tokenizer with Metaspace pre-tokenizer and decoder, as a transformers fast tokenizer."
+    """A small Unigram tokenizer with Metaspace pre-tokenizer and decoder, as a transformers fast
+    tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
@@ -79,7 +81,7 @@ def test_incremental_text_equals_decoding_the_whole(prompt, out):
     assert detokenize(prompt, out) == reference_text(prompt, out)
 
 
-# ---- through the engine, with a tiny random model over this tokenizer's vocabulary --------------------------------------
+# ---- through the engine, with a tiny random model over this tokenizer's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,8 @@ def sampled(llm, prompt, max_tokens=24, seed=11, **kw):
 
 
 def test_engine_text_equals_decoding_the_whole(sp_llm):
-    "The engine's streamed text keeps each piece's leading space, including the first output piece's."
+    """The engine's streamed text keeps each piece's leading space, including the first output
+    piece's."""
     out = sampled(sp_llm, "hello world")
     c = out.outputs[0]
     assert len(c.token_ids) == 24 and c.finish_reason == "length" and c.stop_reason is None
@@ -111,8 +114,9 @@ def test_engine_text_equals_decoding_the_whole(sp_llm):
 
 
 def spanning_stop(prompt_ids, token_ids):
-    """A stop string made of the last character of one output piece and the first of the next (so no single token holds it),
-    the number of tokens the engine must have generated when it matches, and the text before it."""
+    """A stop string made of the last character of one output piece and the first of the next (so no
+    single token holds it), the number of tokens the engine must have generated when it matches,
+    and the text before it."""
     text = reference_text(prompt_ids, token_ids)
     for k in range(1, len(token_ids) - 1):
         a, b = (
@@ -137,7 +141,8 @@ def spanning_stop(prompt_ids, token_ids):
 
 
 def test_stop_string_spanning_tokens(sp_llm):
-    "A stop string split across two tokens ends the completion: text cut before it, finish_reason 'stop', stop_reason set."
+    """A stop string split across two tokens ends the completion: text cut before it, finish_reason
+    'stop', stop_reason set."""
     free = sampled(sp_llm, "the cat sat", max_tokens=32)
     found = spanning_stop(free.prompt_token_ids, free.outputs[0].token_ids)
     assert found, f"no stop string spanning two tokens in {free.outputs[0].text!r}"
@@ -153,7 +158,8 @@ def test_stop_string_spanning_tokens(sp_llm):
 
 
 def test_streamed_text_never_shows_a_stop_string(sp_llm):
-    "While running, the engine holds back text that could still turn into the stop string; no output ever contains it."
+    """While running, the engine holds back text that could still turn into the stop string; no
+    output ever contains it."""
     free = sampled(sp_llm, "on the mat", max_tokens=32)
     stop, need, before = spanning_stop(free.prompt_token_ids, free.outputs[0].token_ids)
     eng = sp_llm.engine

@@ -1,5 +1,6 @@
-"""Greedy output of the engine equals transformers' `generate`, token for token, for every supported family,
-also under preemption, chunked prefill, prefix caching, n = 2, and the Triton backend (interpreter on CPU)."""
+"""Greedy output of the engine equals transformers' `generate`, token for token, for every supported
+family, also under preemption, chunked prefill, prefix caching, n = 2, and the Triton backend
+(interpreter on CPU)."""
 
 import os
 import pytest
@@ -8,7 +9,8 @@ from hetero_infer.core import SamplingParams
 from hetero_infer.engine import LLM
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 
-# Larger random weights than HF's default (0.02) give well-separated logits, so greedy ties cannot hide a bug
+# Larger random weights than HF's default (0.02) give well-separated logits, so greedy ties cannot
+# hide a bug
 # (and cannot cause a false alarm); Llama gets Llama-3 rope scaling, Qwen2 tied embeddings.
 EXTRA = {
     "llama": dict(
@@ -58,7 +60,8 @@ def prompts(lens=PROMPT_LENS, seed=1, vocab=256):
 def hf_greedy(model, prompt, n_new=N_NEW):
     "transformers' greedy continuation of one prompt and the log-softmax of each step's logits."
     with torch.no_grad():
-        # an explicit mask: with only pad_token_id, generate would mask real 0 tokens in the prompt as padding
+        # an explicit mask: with only pad_token_id, generate would mask real 0 tokens in the prompt
+        # as padding
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -87,7 +90,8 @@ def check_equal(model, ps, outs, n_new=N_NEW):
                     else []
                 )
                 pytest.fail(
-                    f"prompt len {len(p)}: first mismatch at step {i}: ours {ours[i]} (in HF top5: {ours[i] in top5}), "
+                    f"prompt len {len(p)}: first mismatch at step {i}: ours {ours[i]} (in HF top5: "
+                    f"{ours[i] in top5}), "
                     f"HF {ref[i]} (in our top5: {ref[i] in ours_top5})"
                 )
             if c.logprobs:  # the chosen token's logprob matches HF's at every step
@@ -126,7 +130,8 @@ def test_equal_with_chunked_prefill(checkpoint):
 
 
 def test_equal_with_prefix_caching(checkpoint):
-    "Repeated prompts hit the prefix cache, including a 32-token prompt (2 full blocks) that is entirely cached."
+    """Repeated prompts hit the prefix cache, including a 32-token prompt (2 full blocks) that is
+    entirely cached."""
     family, path, model = checkpoint
     base = prompts()
     ps = [
@@ -148,7 +153,8 @@ def test_equal_with_prefix_caching(checkpoint):
 
 
 def test_equal_with_n2(checkpoint):
-    "n = 2 forks after the prefill and shares the prompt blocks copy-on-write; greedy copies both equal HF."
+    """n = 2 forks after the prefill and shares the prompt blocks copy-on-write; greedy copies both
+    equal HF."""
     family, path, model = checkpoint
     ps = prompts()[:3]
     llm = LLM(str(path), num_blocks=64, **CPU)
@@ -190,15 +196,17 @@ def test_prompt_longer_than_max_model_len(tmp_path):
     assert not llm.engine.has_unfinished_requests()
 
 
-# --- a step that raises (issue 10, item 1): retried, then an error output; nothing half-done survives it
+# --- a step that raises (issue 10, item 1): retried, then an error output; nothing half-done
+# survives it
 
-from collections import Counter
-from hetero_infer.engine import EngineStepError, LLMEngine
-from hetero_infer.core import EngineConfig
+from collections import Counter  # noqa: E402
+from hetero_infer.engine import EngineStepError, LLMEngine  # noqa: E402
+from hetero_infer.core import EngineConfig  # noqa: E402
 
 
 def fail_on(model, calls, exc=None):
-    "Make the real model's forward raise on the given 1-based call numbers (before any layer writes KV)."
+    """Make the real model's forward raise on the given 1-based call numbers (before any layer
+    writes KV)."""
     n = Counter()
 
     def hook(module, args):
@@ -224,7 +232,8 @@ def llama(tmp_path_factory):
 
 
 def test_failed_steps_are_retried(llama):
-    "The forward pass raises on calls 2 and 3 (a decode and its retry); the requests still end equal to a fresh engine's output."
+    """The forward pass raises on calls 2 and 3 (a decode and its retry); the requests still end
+    equal to a fresh engine's output."""
     path, ps, want = llama
     eng = LLMEngine(
         EngineConfig(
@@ -247,8 +256,9 @@ def test_failed_steps_are_retried(llama):
 
 @pytest.mark.parametrize("retries", [0, 2])
 def test_failing_prefill_ends_with_error_and_poisons_nothing(llama, retries):
-    "A prefill that always raises: after max_retry_attempts retries the request ends with finish_reason 'error', its blocks are free,"
-    " generate raises (chained to the cause), and the same prompt afterwards equals a fresh engine's greedy output (prefix caching on)."
+    """A prefill that always raises: after max_retry_attempts retries the request ends with
+    finish_reason 'error', its blocks are free, generate raises (chained to the cause), and the
+    same prompt afterwards equals a fresh engine's greedy output (prefix caching on)."""
     path, ps, want = llama
     llm = LLM(
         str(path), num_blocks=64, enable_prefix_caching=True, max_retry_attempts=retries, **CPU
@@ -273,7 +283,8 @@ def test_failing_prefill_ends_with_error_and_poisons_nothing(llama, retries):
 
 
 def test_keyboard_interrupt_in_generate_leaves_nothing_behind(llama):
-    "Ctrl-C inside a forward pass: generate aborts its own requests; the next generate returns only its outputs, equal to a fresh engine's."
+    """Ctrl-C inside a forward pass: generate aborts its own requests; the next generate returns
+    only its outputs, equal to a fresh engine's."""
     path, ps, want = llama
     llm = LLM(str(path), num_blocks=64, enable_prefix_caching=True, **CPU)
     hook, n = fail_on(llm.engine.runner.model, {1}, KeyboardInterrupt())
@@ -286,7 +297,8 @@ def test_keyboard_interrupt_in_generate_leaves_nothing_behind(llama):
 
 
 def test_sampler_failure_with_n2_is_retried(llama):
-    "The sampler raises once at the step that would fork n = 2: nothing is forked twice, both completions equal the greedy output."
+    """The sampler raises once at the step that would fork n = 2: nothing is forked twice, both
+    completions equal the greedy output."""
     path, ps, want = llama
     llm = LLM(str(path), num_blocks=64, **CPU)
     real, calls = llm.engine.sampler.__class__.__call__, Counter()
@@ -371,7 +383,8 @@ CHAT = [{"role": "user", "content": "reverse: a b c d"}]
 
 
 def test_eos_is_the_union_with_the_tokenizers(tmp_path):
-    "config/generation_config name another EOS id (3); the tokenizer's <|eos|> (2) still stops generation."
+    """config/generation_config name another EOS id (3); the tokenizer's <|eos|> (2) still stops
+    generation."""
     llm = LLM(_demo_copy(tmp_path, 3), device="cpu")
     assert llm.engine.eos_token_ids == {2, 3}
     c = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
@@ -396,7 +409,8 @@ def test_include_stop_str_in_output_keeps_stop_token_text():
     assert run(skip_special_tokens=False).text == "d c b a"
 
 
-# --- sliding windows (issue 14 item 4, model side): prompt + output longer than the window, equal to transformers
+# --- sliding windows (issue 14 item 4, model side): prompt + output longer than the window, equal
+# to transformers
 
 
 def _takes_window(name):

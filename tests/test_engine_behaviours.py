@@ -1,5 +1,6 @@
-"""Engine behaviours through its public API, with a tiny random model and token-id prompts: completion indices and seeds
-of n > 1 requests, and when an aborted request stops counting as unfinished."""
+"""Engine behaviours through its public API, with a tiny random model and token-id prompts:
+completion indices and seeds of n > 1 requests, and when an aborted request stops counting as
+unfinished."""
 
 import pytest
 from hetero_infer.core import SamplingParams
@@ -33,7 +34,8 @@ def test_n_completions_have_indices_0_to_n_minus_1_once_each(llm):
 
 
 def test_streamed_outputs_of_n_completions_keep_their_indices(llm):
-    "Every step's output of an n = 3 request lists each index once, in order; each completion only grows."
+    """Every step's output of an n = 3 request lists each index once, in order; each completion only
+    grows."""
     eng = llm.engine
     eng.add_request(
         "stream-n",
@@ -51,7 +53,8 @@ def test_streamed_outputs_of_n_completions_keep_their_indices(llm):
 
 
 def test_seeded_n_completions_differ_and_repeat(llm):
-    "A seeded n = 4 request: the 4 completions differ from each other, and the same seed gives the same 4 again."
+    """A seeded n = 4 request: the 4 completions differ from each other, and the same seed gives the
+    same 4 again."""
     first = [c.token_ids for c in completions(llm, n=4, temperature=1.0, seed=1234)]
     assert len({tuple(t) for t in first}) == 4
     again = [c.token_ids for c in completions(llm, n=4, temperature=1.0, seed=1234)]
@@ -95,7 +98,8 @@ def test_aborted_request_is_unfinished_until_its_abort_output_is_returned(llm):
 
 
 def test_abort_while_waiting_and_loop_drains(llm):
-    "A request aborted before it ever ran still yields exactly one final 'abort' output from step()."
+    """A request aborted before it ever ran still yields exactly one final 'abort' output from
+    step()."""
     eng = llm.engine
     eng.add_request("never", PROMPT, SamplingParams(max_tokens=4))
     eng.abort_request("never")

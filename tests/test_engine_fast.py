@@ -1,11 +1,11 @@
-"""Fast engine tests (a few seconds, CPU): the step loop, its counters, metrics and outputs, stop conditions, failures and
-retries, aborts, and the `LLM` front end (prompt forms, chat, progress bar, argument conversion), through the public API.
+"""Fast engine tests (a few seconds, CPU): the step loop, its counters, metrics and outputs, stop
+conditions, failures and retries, aborts, and the `LLM` front end (prompt forms, chat, progress
+bar, argument conversion), through the public API.
 
-Two models: the shipped demo model (with a tokenizer and chat template; it answers "reverse: a b c d" with "d c b a" and
-EOS), and a tiny random Llama without a tokenizer (token-id prompts). Loops over `step()` are bounded, so a broken stop
-condition fails a test instead of hanging it."""
+Two models: the shipped demo model (with a tokenizer and chat template; it answers "reverse: a b
+c d" with "d c b a" and EOS), and a tiny random Llama without a tokenizer (token-id prompts).
+Loops over `step()` are bounded, so a broken stop condition fails a test instead of hanging it."""
 
-import dataclasses
 import itertools
 import json
 import shutil
@@ -93,7 +93,7 @@ def run_one(eng, prompt, params, rid="r"):
     return final(drain(eng), rid)
 
 
-# ---- find_stop_string ------------------------------------------------------------------------------------------------
+# ---- find_stop_string
 
 
 def test_find_stop_string_only_sees_stops_overlapping_the_new_text():
@@ -113,7 +113,7 @@ def test_find_stop_string_takes_the_earliest_match_and_the_first_listed_on_a_tie
     assert find_stop_string("abc", 3, ["ab", "abc"]) == ("ab", 0)  # same position: the first listed
 
 
-# ---- IncrementalDetokenizer --------------------------------------------------------------------------------------------
+# ---- IncrementalDetokenizer
 
 
 def test_detokenizer_holds_back_a_partial_utf8_character(tok):
@@ -133,7 +133,8 @@ def test_detokenizer_skips_special_tokens_by_default(tok):
 
 
 def test_detokenizer_keeps_its_context_across_a_skipped_token():
-    "A skipped special token adds no text and must not move the left context (a '▁word' piece keeps its space)."
+    """A skipped special token adds no text and must not move the left context (a '▁word' piece
+    keeps its space)."""
     from test_detokenize_stop import TOK
 
     d = IncrementalDetokenizer(TOK, TOK.encode("hello"))
@@ -142,7 +143,8 @@ def test_detokenizer_keeps_its_context_across_a_skipped_token():
 
 
 def test_detokenizer_does_not_clean_up_spaces():
-    "Text is what the tokens spell, as in vLLM: no clean-up of the space before punctuation, even where the tokenizer defaults to it."
+    """Text is what the tokens spell, as in vLLM: no clean-up of the space before punctuation, even
+    where the tokenizer defaults to it."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
@@ -158,7 +160,7 @@ def test_detokenizer_does_not_clean_up_spaces():
     assert [d.add(i) for i in (2, 3)] == [" world", " ."]
 
 
-# ---- load_tokenizer ----------------------------------------------------------------------------------------------------
+# ---- load_tokenizer
 
 
 def test_load_tokenizer(tiny_path, tmp_path):
@@ -174,7 +176,7 @@ def test_load_tokenizer(tiny_path, tmp_path):
     )
 
 
-# ---- LLMEngine construction --------------------------------------------------------------------------------------------
+# ---- LLMEngine construction
 
 
 def test_engine_defaults_to_the_demo_model_and_takes_keyword_overrides():
@@ -228,7 +230,7 @@ def test_eos_ids_are_the_union_of_both_configs_and_the_tokenizer(tmp_path, gen_e
     )
 
 
-# ---- prompts and add_request -------------------------------------------------------------------------------------------
+# ---- prompts and add_request
 
 
 def _error(fn, *a, **k) -> str:
@@ -265,7 +267,10 @@ def test_bad_prompts_are_rejected_with_a_message(tiny_path):
         == f"{keys} ['prompt_token_ids', 'x']"
     )
     assert _error(eng.add_request, "a", {}) == f"{keys} []"
-    kinds = "prompt must be a string, a list of token ids or a dict with 'prompt'/'prompt_token_ids', got"
+    kinds = (
+        "prompt must be a string, a list of token ids or a dict with 'prompt'/'prompt_token_ids', "
+        "got"
+    )
     assert _error(eng.add_request, "a", 5) == f"{kinds} int"
     assert _error(eng.add_request, "a", None) == f"{kinds} NoneType"
     assert _error(eng.add_request, "a", [1.0, 2.0]) == f"{kinds} list"
@@ -336,7 +341,7 @@ def test_priority_orders_the_queue_and_defaults_to_zero(tiny_path):
     }  # equal priority: arrival order
 
 
-# ---- the step loop: counters, metrics, outputs ---------------------------------------------------------------------
+# ---- the step loop: counters, metrics, outputs
 
 
 def test_counters_count_requests_steps_and_tokens(tiny_path):
@@ -444,7 +449,7 @@ def test_prefix_cache_hits_are_reported():
     assert [off.generate([p], sp, use_tqdm=False)[0].num_cached_tokens for _ in range(2)] == [0, 0]
 
 
-# ---- logprobs --------------------------------------------------------------------------------------------------------
+# ---- logprobs
 
 
 def test_logprobs_are_decoded_and_sum_to_the_cumulative_logprob(demo, tok):
@@ -475,7 +480,7 @@ def test_logprobs_without_a_tokenizer_are_not_decoded(tiny_path):
     )
 
 
-# ---- stopping: EOS, stop tokens, stop strings, min_tokens ------------------------------------------------------------
+# ---- stopping: EOS, stop tokens, stop strings, min_tokens
 
 
 def reply(demo, **kw):
@@ -539,7 +544,7 @@ def test_streamed_text_holds_back_the_longest_stop_minus_one(demo, tok, stop, ho
         assert o.outputs[0].text == full[: max(0, len(full) - hold)]
 
 
-# ---- n > 1 -------------------------------------------------------------------------------------------------------------
+# ---- n > 1
 
 STOP_EVEN = dict(
     temperature=1.0, max_tokens=8, stop_token_ids=list(range(0, 256, 2))
@@ -583,7 +588,7 @@ def test_abort_keeps_the_reason_of_a_completion_that_already_finished(tiny_path)
     ]
 
 
-# ---- aborts ------------------------------------------------------------------------------------------------------------
+# ---- aborts
 
 
 def test_abort_many_skips_unknown_ids_and_counts(tiny_path):
@@ -603,7 +608,7 @@ def test_abort_many_skips_unknown_ids_and_counts(tiny_path):
     assert final(outs, "c").outputs[0].finish_reason == "length"
 
 
-# ---- failed steps ------------------------------------------------------------------------------------------------------
+# ---- failed steps
 
 
 def fail_on(eng, calls, exc=lambda: RuntimeError("injected boom\nsecond line")):
@@ -649,7 +654,10 @@ def test_a_step_failing_past_the_limit_ends_its_requests_with_an_error(tiny_path
     assert eng.step() == []  # the first failure is retried
     outs = eng.step()
     assert [o.request_id for o in outs] == ["0", "1"] and all(o.finished for o in outs)
-    msg = "the engine step failed 2 times (max_retry_attempts=1); last error: RuntimeError: injected boom"
+    msg = (
+        "the engine step failed 2 times (max_retry_attempts=1); last error: RuntimeError: "
+        "injected boom"
+    )
     assert all(
         o.error == msg and o.outputs[0].finish_reason == "error" and o.outputs[0].token_ids == []
         for o in outs
@@ -667,7 +675,10 @@ def test_generate_raises_engine_step_error_with_every_output(tiny_path):
     fail_on(llm.engine, {1})
     with pytest.raises(EngineStepError) as e:
         llm.generate([P6], SamplingParams(max_tokens=2), use_tqdm=False)
-    err = "the engine step failed 1 times (max_retry_attempts=0); last error: RuntimeError: injected boom"
+    err = (
+        "the engine step failed 1 times (max_retry_attempts=0); last error: RuntimeError: "
+        "injected boom"
+    )
     assert str(e.value) == f"1 of 1 requests failed: {err}"
     assert [o.error for o in e.value.outputs] == [err] and isinstance(
         e.value.__cause__, RuntimeError
@@ -677,7 +688,7 @@ def test_generate_raises_engine_step_error_with_every_output(tiny_path):
     )  # only the first call failed
 
 
-# ---- LLM front end -----------------------------------------------------------------------------------------------------
+# ---- LLM front end
 
 
 def test_as_prompt_list():
@@ -811,7 +822,7 @@ def test_progress_bar_can_be_turned_off_and_chat_passes_it_on(demo, bar):
     assert [b.kw["disable"] for b in bar.made] == [True, False, True]
 
 
-# ---- chat ------------------------------------------------------------------------------------------------------------
+# ---- chat
 
 
 def test_chat_one_or_many_conversations(demo, tok):
@@ -834,7 +845,8 @@ def test_chat_one_or_many_conversations(demo, tok):
 
 
 def test_chat_does_not_add_a_second_bos(tmp_path):
-    "A tokenizer that adds BOS when encoding (as Llama's does): the chat template already holds one, so the prompt has one."
+    """A tokenizer that adds BOS when encoding (as Llama's does): the chat template already holds
+    one, so the prompt has one."""
     from tokenizers.processors import TemplateProcessing
 
     llm = LLM(**CPU, num_blocks=8)
@@ -855,11 +867,12 @@ def test_chat_needs_a_chat_template(tiny_path):
     assert _error(llm.chat, CHAT) == msg
 
 
-# ---- speculative decoding (prompt lookup) changes how many steps, never what comes out -----------------------------
+# ---- speculative decoding (prompt lookup) changes how many steps, never what comes out
 
 
 def test_speculation_gives_the_plain_outputs_in_fewer_steps():
-    "The demo model copies a sorted input, so prompt lookup's proposals are accepted in runs; a reversal mixes in plain rows."
+    """The demo model copies a sorted input, so prompt lookup's proposals are accepted in runs; a
+    reversal mixes in plain rows."""
     from hetero_infer.demo import format_prompt
 
     q = [

@@ -1,6 +1,8 @@
-"""The package's modules import one another in one direction: no module reaches itself through imports.
+"""The package's modules import one another in one direction: no module reaches itself through
+imports.
 
-Every `import` counts, at module level or inside a function (a lazy import is still a dependency)."""
+Every `import` counts, at module level or inside a function (a lazy import is still a
+dependency)."""
 
 import ast
 from pathlib import Path
@@ -79,7 +81,8 @@ def test_no_import_cycle():
 
 
 def test_attention_backends_flow_one_way():
-    "kernels imports attention (to subclass and register its backend); attention never imports kernels."
+    """kernels imports attention (to subclass and register its backend); attention never imports
+    kernels."""
     g = import_graph()
     assert "attention" in g["kernels"] and "kernels" not in g["attention"]
 

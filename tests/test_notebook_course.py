@@ -1,5 +1,6 @@
-"""The course's shape, checked from the notebooks' cells: every chapter opens with what you will learn and closes with
-a recap, and every exported function or class has a test or example right under it (the nbdev rhythm)."""
+"""The course's shape, checked from the notebooks' cells: every chapter opens with what you will
+learn and closes with a recap, and every exported function or class has a test or example right
+under it (the nbdev rhythm)."""
 
 import json
 import re
@@ -22,7 +23,8 @@ def _directive(src: str, name: str) -> bool:
 
 
 def opening_and_closing(nb: str) -> list[str]:
-    "Problems with a chapter's first lines (it says what you will learn) and its last cell (a recap)."
+    """Problems with a chapter's first lines (it says what you will learn) and its last cell (a
+    recap)."""
     md, probs = [c["source"] for c in _cells(nb) if c["cell_type"] == "markdown"], []
     title = next((i for i, s in enumerate(md) if re.match(r"#\s", s)), None)
     if title is None:
@@ -36,7 +38,8 @@ def opening_and_closing(nb: str) -> list[str]:
 
 
 def untested_exports(nb: str) -> list[str]:
-    "Exported cells defining something that the next code cell does not test or show (it is another export cell, or none)."
+    """Exported cells defining something that the next code cell does not test or show (it is
+    another export cell, or none)."""
     code = [c["source"] for c in _cells(nb) if c["cell_type"] == "code"]
     probs = []
     for i, src in enumerate(code):
@@ -48,7 +51,8 @@ def untested_exports(nb: str) -> list[str]:
         nxt = code[i + 1] if i + 1 < len(code) else ""
         if not nxt or _directive(nxt, "export") or _directive(nxt, "exporti"):
             probs.append(
-                f"{nb}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} has no test or example under it"
+                f"{nb}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} has no test or "
+                "example under it"
             )
     return probs
 

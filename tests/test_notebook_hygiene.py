@@ -1,4 +1,5 @@
-"""Stored notebook outputs are evidence on the docs site: they must not leak the paths of the machine that ran them, nor show errors."""
+"""Stored notebook outputs are evidence on the docs site: they must not leak the paths of the
+machine that ran them, nor show errors."""
 
 import json
 import re
@@ -13,7 +14,8 @@ WIN_PATH = re.compile(r"\b[A-Z]:\\\\?(?:Users|Windows)\\")
 
 
 def _texts(out: dict):
-    "The text an output stores: stream text, tracebacks, and text/* or JSON data (images are skipped)."
+    """The text an output stores: stream text, tracebacks, and text/* or JSON data (images are
+    skipped)."""
     if "text" in out:
         yield "".join(out["text"]) if isinstance(out["text"], list) else out["text"]
     if "traceback" in out:
@@ -24,7 +26,8 @@ def _texts(out: dict):
 
 
 def output_problems(nb_path: Path) -> list[str]:
-    "One line per stored error output or absolute path in `nb_path`'s outputs: 'notebook cell N: what'."
+    """One line per stored error output or absolute path in `nb_path`'s outputs: 'notebook cell N:
+    what'."""
     nb, probs = json.loads(nb_path.read_text()), []
     for i, cell in enumerate(nb["cells"]):
         for out in cell.get("outputs", []):
@@ -43,7 +46,8 @@ def output_problems(nb_path: Path) -> list[str]:
                 for m in (ABS_PATH.search(t), WIN_PATH.search(t)):
                     if m:
                         probs.append(
-                            f"{where}: stored absolute path {t[max(m.start() - 20, 0) : m.end() + 30]!r}"
+                            f"{where}: stored absolute path "
+                            f"{t[max(m.start() - 20, 0) : m.end() + 30]!r}"
                         )
     return probs
 

@@ -1,7 +1,8 @@
-"""Tensor parallelism on CPU (gloo, 2 processes on 127.0.0.1): greedy output with tensor_parallel_size=2 equals one process and
-transformers for every family (one replicated KV head, a vocabulary not divisible by 2, tied and untied embeddings), also with
-chunked prefill, prefix caching and preemption; the server answers with 2 ranks and leaves no process behind; a worker that dies
-ends the engine with an error naming it, within the timeout."""
+"""Tensor parallelism on CPU (gloo, 2 processes on 127.0.0.1): greedy output with
+tensor_parallel_size=2 equals one process and transformers for every family (one replicated KV
+head, a vocabulary not divisible by 2, tied and untied embeddings), also with chunked prefill,
+prefix caching and preemption; the server answers with 2 ranks and leaves no process behind; a
+worker that dies ends the engine with an error naming it, within the timeout."""
 
 import os
 import signal
@@ -9,14 +10,15 @@ import subprocess
 import sys
 import time
 import pytest
-import torch
 from hetero_infer.core import SamplingParams
 from hetero_infer.engine import LLM, EngineStepError
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 
-# One shape per family that stresses a different part of the split: Llama with an odd vocabulary (padded LM head), Qwen2 with
-# one KV head (replicated on both ranks) and tied embeddings, Qwen3 with q/k norms, Mistral with plain GQA.
+# One shape per family that stresses a different part of the split: Llama with an odd vocabulary
+# (padded LM head), Qwen2 with
+# one KV head (replicated on both ranks) and tied embeddings, Qwen3 with q/k norms, Mistral with
+# plain GQA.
 SHAPES = {
     "llama": dict(vocab_size=257),
     "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
@@ -90,7 +92,8 @@ def _children(pid: int) -> list[int]:
 
 
 def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
-    "A worker killed mid-run: the running requests end with an error naming the rank, promptly; later ones are refused too."
+    """A worker killed mid-run: the running requests end with an error naming the rank, promptly;
+    later ones are refused too."""
     _model(tmp_path, "llama")
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
     try:
@@ -120,7 +123,8 @@ def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
 
 
 def _serve_tp2():
-    "Start `hetero-infer serve --tensor-parallel-size 2` on a free port; returns (process, openai client, worker pids)."
+    """Start `hetero-infer serve --tensor-parallel-size 2` on a free port; returns (process, openai
+    client, worker pids)."""
     import socket
     from openai import OpenAI
 
@@ -209,8 +213,10 @@ def test_serve_exits_non_zero_when_a_worker_dies():
 TORCHRUN_SCRIPT = """
 import json, sys
 from hetero_infer import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)   # ranks > 0 serve the loop inside this call
-outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+# ranks > 0 serve the loop inside this call
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)
+sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+outs = llm.generate(json.loads(sys.argv[2]), sp, use_tqdm=False)
 print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
 llm.close()
 """
@@ -263,7 +269,8 @@ def test_cli_refuses_an_impossible_split_naming_the_flag():
         timeout=120,
     )
     assert r.returncode == 2 and r.stderr.strip().endswith(
-        "hetero-infer: error: --tensor-parallel-size: tensor_parallel_size (3) must divide num_attention_heads (4)"
+        "hetero-infer: error: --tensor-parallel-size: tensor_parallel_size (3) must divide "
+        "num_attention_heads (4)"
     ), r.stderr
     assert "Traceback" not in r.stderr
 
@@ -304,7 +311,8 @@ def test_bench_offline_with_two_ranks(tmp_path):
 
 
 def test_code_from_stdin_is_refused_at_once():
-    "Workers re-import the main script; from stdin they cannot: a clear error in seconds, not a 2-minute rendezvous timeout."
+    """Workers re-import the main script; from stdin they cannot: a clear error in seconds, not a
+    2-minute rendezvous timeout."""
     import subprocess
     import sys
     import time

@@ -1,8 +1,10 @@
-"""The sampler's penalties are incremental: each step reads only the tokens appended since the last one (issue 10, item 7).
+"""The sampler's penalties are incremental: each step reads only the tokens appended since the last
+one (issue 10, item 7).
 
-`Sampler.adjust_logits` keeps a `PenaltyCounts` on the sampler and brings it up to date with each step's new tokens;
-rebuilding the counts from the Python token lists (`seen_tokens` over every prompt and output) gives the same logits
-but costs O(context) per step. These tests fail if the sampler goes back to the from-scratch path."""
+`Sampler.adjust_logits` keeps a `PenaltyCounts` on the sampler and brings it up to date with each
+step's new tokens; rebuilding the counts from the Python token lists (`seen_tokens` over every
+prompt and output) gives the same logits but costs O(context) per step. These tests fail if the
+sampler goes back to the from-scratch path."""
 
 import pytest
 import torch
@@ -35,7 +37,8 @@ def reference(logits, seqs):
 
 @pytest.fixture
 def added(monkeypatch):
-    "Record the (row, token) occurrences each `PenaltyCounts._add` call counts; the from-scratch `seen_tokens` raises."
+    """Record the (row, token) occurrences each `PenaltyCounts._add` call counts; the from-scratch
+    `seen_tokens` raises."""
     calls, add = [], PenaltyCounts._add
 
     def spy(self, rows, toks, weights):

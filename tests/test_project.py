@@ -16,7 +16,8 @@ def _cfg():
 
 
 def sidebar_problems() -> list[str]:
-    "Every notebook but scratch ones (`_*`) is in the sidebar, numbered ones in order, and nbs/_quarto.yml is the top-level file."
+    """Every notebook but scratch ones (`_*`) is in the sidebar, numbered ones in order, and
+    nbs/_quarto.yml is the top-level file."""
     probs, q = [], root / "_quarto.yml"
     listed = re.findall(r"^\s*-\s*(\S+\.ipynb)\s*$", q.read_text(), re.M)
     nbs = sorted(p.name for p in (root / "nbs").glob("*.ipynb") if not p.name.startswith("_"))
@@ -77,7 +78,8 @@ def test_every_module_has_a_notebook():
 
 
 def test_package_data_builds_without_setuptools_warning(tmp_path):
-    "The shipped demo model is declared package data: building prints no 'absent from the packages configuration' warning and ships every file."
+    """The shipped demo model is declared package data: building prints no 'absent from the packages
+    configuration' warning and ships every file."""
     import subprocess
     import sys
 
@@ -96,7 +98,8 @@ def test_package_data_builds_without_setuptools_warning(tmp_path):
 
 
 def test_notebook_tests_pin_torch_threads():
-    "Each nbdev_test worker runs torch with one thread (workers x default threads oversubscribe the cores)."
+    """Each nbdev_test worker runs torch with one thread (workers x default threads oversubscribe
+    the cores)."""
     rule = re.search(r"^nbtest:\n((?:\t.*\n?)+)", (root / "Makefile").read_text(), re.M)
     assert (
         rule
@@ -111,7 +114,8 @@ def readme_map(readme: str) -> dict[str, str]:
 
 
 def readme_commands(readme: str) -> list[list[str]]:
-    "Every `hetero-infer ...` command line in the README's shell blocks, as argv (comments dropped)."
+    """Every `hetero-infer ...` command line in the README's shell blocks, as argv (comments
+    dropped)."""
     blocks = re.findall(r"^```sh\n(.*?)^```", readme, re.M | re.S)
     return [
         shlex.split(l, comments=True)
@@ -122,8 +126,9 @@ def readme_commands(readme: str) -> list[list[str]]:
 
 
 def test_readme_claims_only_what_exists():
-    """The README shows working commands of sub-commands that exist, serves what the server does, maps every notebook (and only
-    notebooks that exist, each with the module it exports), and promises nothing as still to come."""
+    """The README shows working commands of sub-commands that exist, serves what the server does,
+    maps every notebook (and only notebooks that exist, each with the module it exports), and
+    promises nothing as still to come."""
     from hetero_infer.cli import build_parser, seed_argv
 
     readme = (root / "README.md").read_text()
@@ -167,8 +172,9 @@ def test_readme_claims_only_what_exists():
 
 
 def temp_leaks(src: str) -> list[str]:
-    """Lines of notebook code that make a temporary directory (`mkdtemp`) or file (`NamedTemporaryFile(delete=False)`, `mkstemp`) that the
-    notebook never removes: each must be assigned to a name that as many `rmtree(name` / `unlink(name.name` calls remove later."""
+    """Lines of notebook code that make a temporary directory (`mkdtemp`) or file
+    (`NamedTemporaryFile(delete=False)`, `mkstemp`) that the notebook never removes: each must be
+    assigned to a name that as many `rmtree(name` / `unlink(name.name` calls remove later."""
     leaks, made = [], {}
     for line in src.splitlines():
         if re.search(r"\bmk[sd]temp\(", line):

@@ -1,4 +1,5 @@
-"Property tests of the continuous-batching scheduler: invariants of every step, and whole simulated workloads."
+"""Property tests of the continuous-batching scheduler: invariants of every step, and whole
+simulated workloads."""
 
 import collections
 import itertools
@@ -20,7 +21,8 @@ def make_sched(num_blocks=64, block_size=4, caching=True, **kw):
 
 
 def check_step(sch: Scheduler, out: SchedulerOutput, live: list):
-    "Invariants of one step: each live sequence is in exactly one place, budgets hold, decodes come first."
+    """Invariants of one step: each live sequence is in exactly one place, budgets hold, decodes
+    come first."""
     cfg, bm = sch.config, sch.block_manager
     ids_w, ids_r = [s.seq_id for s in sch.waiting], [s.seq_id for s in sch.running]
     assert (
@@ -77,9 +79,10 @@ def prefix_keys(seq):
 
 
 def run_forward(sch, out, kv, fail=False, copy=True):
-    """What the runner does with one step, on a simulated cache `kv` (slot -> key): the block copies, every KV write,
-    then each sequence attends its context, which must read back its own prefix (prefix hits, forks, siblings included).
-    `fail`: the forward pass raises midway: copies done or not (`copy`), the slots left with garbage, nothing read."""
+    """What the runner does with one step, on a simulated cache `kv` (slot -> key): the block
+    copies, every KV write, then each sequence attends its context, which must read back its own
+    prefix (prefix hits, forks, siblings included). `fail`: the forward pass raises midway:
+    copies done or not (`copy`), the slots left with garbage, nothing read."""
     bs = sch.block_manager.block_size
     for src, dst in out.block_copies if copy or not fail else ():
         for k in range(bs):
@@ -103,9 +106,10 @@ def run_forward(sch, out, kv, fail=False, copy=True):
 
 
 def play(sch: Scheduler, reqs, max_steps=3_000, abort_every=0, rng=None, fail_every=0):
-    """Play the engine: schedule -> forward (simulated KV) -> update -> append a token to every sampling sequence ->
-    finish at max_tokens. `reqs` is a list of (prompt_len, max_tokens, n, priority, arrival_step); `fail_every`: every
-    so many steps the forward pass raises (no update; the next schedule retries). Returns (finished, steps, aborted ids, all seqs)."""
+    """Play the engine: schedule -> forward (simulated KV) -> update -> append a token to every
+    sampling sequence -> finish at max_tokens. `reqs` is a list of (prompt_len, max_tokens, n,
+    priority, arrival_step); `fail_every`: every so many steps the forward pass raises (no
+    update; the next schedule retries). Returns (finished, steps, aborted ids, all seqs)."""
     rng = rng or random.Random(0)
     ids, kv = itertools.count(), {}
     live, done, aborted, pending = [], [], set(), sorted(enumerate(reqs), key=lambda r: r[1][4])
@@ -173,7 +177,8 @@ def play(sch: Scheduler, reqs, max_steps=3_000, abort_every=0, rng=None, fail_ev
 
 
 def max_blocks(prompt, max_tokens, n, bs):
-    "The most blocks a request holds: the prompt's full blocks once (shared by its forks) plus each fork's own."
+    """The most blocks a request holds: the prompt's full blocks once (shared by its forks) plus
+    each fork's own."""
     shared = prompt // bs if n > 1 else 0
     return shared + n * (-(-(prompt + max_tokens - 1) // bs) - shared)
 
@@ -202,8 +207,9 @@ req = st.tuples(
 def test_workload_finishes_with_exact_lengths(
     reqs, num_blocks, block_size, max_num_seqs, max_tokens, chunked, caching, threshold, fail_every
 ):
-    """Every request ends with exactly max_tokens outputs per completion, whatever the limits and however many forward passes
-    fail; each step keeps the invariants and every sequence reads only its own prefix's KV (no poisoned prefix-cache hit)."""
+    """Every request ends with exactly max_tokens outputs per completion, whatever the limits and
+    however many forward passes fail; each step keeps the invariants and every sequence reads
+    only its own prefix's KV (no poisoned prefix-cache hit)."""
     if not chunked:
         max_tokens = max(
             max_tokens, 64
@@ -233,7 +239,8 @@ def test_workload_finishes_with_exact_lengths(
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), n_req=st.integers(6, 14), caching=st.booleans())
 def test_tiny_cache_preempts_repeatedly_and_still_finishes(seed, n_req, caching):
-    "A cache that holds about two requests at a time: preemption (recompute) happens again and again, nothing is lost."
+    """A cache that holds about two requests at a time: preemption (recompute) happens again and
+    again, nothing is lost."""
     rng = random.Random(seed)
     reqs = [(rng.randint(8, 24), rng.randint(10, 30), 1, 0, 0) for _ in range(n_req)]
     sch = make_sched(
@@ -255,7 +262,8 @@ def test_tiny_cache_preempts_repeatedly_and_still_finishes(seed, n_req, caching)
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_aborts_free_everything(seed):
-    "Aborting requests at random points (waiting, mid-prefill, decoding) frees their blocks; the rest finish intact."
+    """Aborting requests at random points (waiting, mid-prefill, decoding) frees their blocks; the
+    rest finish intact."""
     rng = random.Random(seed)
     reqs = [
         (
@@ -293,7 +301,8 @@ def test_priority_admits_lower_value_first():
 
 
 def test_victim_is_lowest_priority_then_latest():
-    "Under memory pressure the request with the highest priority value goes first, even if it arrived earlier."
+    """Under memory pressure the request with the highest priority value goes first, even if it
+    arrived earlier."""
     sch = make_sched(num_blocks=6, block_size=4, memory_threshold=1.0, max_num_batched_tokens=64)
     old_low = Sequence(
         0, "old", [1] * 8, 8, SamplingParams(max_tokens=8), priority=1, arrival_time=0.0
@@ -338,11 +347,13 @@ def test_rejects_what_can_never_fit():
     assert sch.stats.rejected == 3 and len(sch.waiting) == 1
 
 
-# --- issue 10 item 1: a block becomes a prefix-cache hit only after the step that writes its KV has completed ---
+# --- issue 10 item 1: a block becomes a prefix-cache hit only after the step that writes its KV has
+# completed ---
 
 
 def test_failed_forward_then_abort_gives_no_cache_hit():
-    "Schedule a prompt, the forward pass raises (no update), abort it, add the same prompt: no cache hit on unwritten KV."
+    """Schedule a prompt, the forward pass raises (no update), abort it, add the same prompt: no
+    cache hit on unwritten KV."""
     sch = make_sched(num_blocks=16, block_size=4)
     prompt = list(range(10))
     sch.add(Sequence(0, "a", prompt, 10))
@@ -364,7 +375,8 @@ def test_failed_forward_then_abort_gives_no_cache_hit():
 
 
 def test_rescheduling_after_failed_step_is_idempotent():
-    "The same sequences get the same slots and copies; no block is taken twice, ref counts do not change, nothing is published."
+    """The same sequences get the same slots and copies; no block is taken twice, ref counts do not
+    change, nothing is published."""
     sch = make_sched(num_blocks=16, block_size=4, max_num_batched_tokens=16)
     p = Sequence(0, "p", [1, 2, 3, 4, 5, 6], 6, SamplingParams(n=2, max_tokens=5))
     sch.add(p)
@@ -439,7 +451,8 @@ def test_update_takes_only_the_latest_output_once():
 
 
 def run_all(sch, max_steps=2_000):
-    "play() for requests already added; returns the finished sequences and the most blocks held at once."
+    """play() for requests already added; returns the finished sequences and the most blocks held at
+    once."""
     ids, done, peak, kv, bm = itertools.count(1000), [], 0, {}, sch.block_manager
     for _ in range(max_steps):
         if not sch.has_unfinished():
@@ -467,7 +480,8 @@ def run_all(sch, max_steps=2_000):
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 8, 10, 11])
 def test_n4_shares_prompt_blocks_and_runs_to_completion(max_tokens):
-    "The issue's example: n=4, a 30-token prompt, 20 blocks of 4. 7 shared prompt blocks + 4 x 3 own = 19 <= 20: admitted and run."
+    """The issue's example: n=4, a 30-token prompt, 20 blocks of 4. 7 shared prompt blocks + 4 x 3
+    own = 19 <= 20: admitted and run."""
     sch = make_sched(num_blocks=20, block_size=4)
     sch.add(Sequence(0, "r", list(range(30)), 30, SamplingParams(n=4, max_tokens=max_tokens)))
     done, peak = run_all(sch)
@@ -493,7 +507,8 @@ def test_n4_truly_too_big_is_refused_naming_num_blocks():
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_preempted_fork_group_recomputes_sharing_its_prompt(caching):
-    "Four forks pushed out by an older request come back sharing the prompt (4 independent copies would need > 20 blocks)."
+    """Four forks pushed out by an older request come back sharing the prompt (4 independent copies
+    would need > 20 blocks)."""
     sch = make_sched(num_blocks=20, block_size=4, caching=caching, memory_threshold=1.0)
     sch.add(Sequence(0, "old", [7] * 8, 8, SamplingParams(max_tokens=40)))
     sch.add(Sequence(1, "r", list(range(30)), 30, SamplingParams(n=4, max_tokens=10)))
@@ -553,7 +568,8 @@ def test_admitted_count_follows_forks_and_finishes():
 
 
 def readmitted_group(caching=False):
-    "A request's two forks waiting together (as after a preemption), then admitted: the sibling parks behind the leader."
+    """A request's two forks waiting together (as after a preemption), then admitted: the sibling
+    parks behind the leader."""
     sch = make_sched(num_blocks=20, block_size=4, caching=caching, memory_threshold=1.0)
     lead, sib = (
         Sequence(i, "r", list(range(30)) + [i], 30, SamplingParams(n=2, max_tokens=5), index=i)
@@ -638,7 +654,7 @@ def test_aborting_a_group_with_a_parked_sibling_frees_everything(caching):
     )
 
 
-# --- found by mutation testing (make mutation): `add`'s boundaries and its num_blocks message ---------------------------
+# --- found by mutation testing (make mutation): `add`'s boundaries and its num_blocks message
 
 
 def _req(rid, n_prompt, n=1, max_tokens=1):
@@ -666,17 +682,20 @@ def test_num_blocks_refusal_counts_the_shared_prompt_blocks():
     sch = make_sched(num_blocks=3, block_size=4)
     with pytest.raises(
         ValueError,
-        match=r"may need 4 KV blocks \(15 tokens of KV for each of n=1 completions, sharing 0 full prompt blocks\)",
+        match=r"may need 4 KV blocks \(15 tokens of KV for each of n=1 completions, "
+        r"sharing 0 full prompt blocks\)",
     ):
         sch.add(_req("one", 8, n=1, max_tokens=8))
     with pytest.raises(
         ValueError,
-        match=r"may need 4 KV blocks \(10 tokens of KV for each of n=2 completions, sharing 2 full prompt blocks\)",
+        match=r"may need 4 KV blocks \(10 tokens of KV for each of n=2 completions, "
+        r"sharing 2 full prompt blocks\)",
     ):
         sch.add(_req("two", 8, n=2, max_tokens=3))
 
 
-# Behaviours a mutation run of the scheduler (make mutation MUTATION_MODULES=scheduler) found unpinned.
+# Behaviours a mutation run of the scheduler (make mutation MUTATION_MODULES=scheduler) found
+# unpinned.
 def _seq(sid, rid, n_prompt=4, n=1):
     return Sequence(sid, rid, list(range(n_prompt)), n_prompt, SamplingParams(n=n, max_tokens=4))
 
@@ -747,11 +766,13 @@ def test_fork_of_a_finished_parent_is_refused():
         sch.fork(p, p.fork(2, 1))
 
 
-# --- from the full scheduler mutation run (issue 18): counters, seats, budgets, preemption and parked siblings ----------
+# --- from the full scheduler mutation run (issue 18): counters, seats, budgets, preemption and
+# parked siblings
 
 
 def _group(num_blocks=20, budget=2048, first=None, **kw):
-    "The readmitted two-fork group of `readmitted_group` (31 tokens each; the sibling shares 7 blocks), with a token budget."
+    """The readmitted two-fork group of `readmitted_group` (31 tokens each; the sibling shares 7
+    blocks), with a token budget."""
     sch = make_sched(
         num_blocks=num_blocks,
         block_size=4,
@@ -807,7 +828,8 @@ def test_finish_counts_each_stop_or_abort_as_it_happens():
 
 
 def test_max_tokens_none_is_sized_by_max_model_len():
-    "A request with no max_tokens may grow to max_model_len: 64 tokens need 16 blocks of 4, more than 10."
+    """A request with no max_tokens may grow to max_model_len: 64 tokens need 16 blocks of 4, more
+    than 10."""
     sch = make_sched(num_blocks=10, block_size=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"may need 16 KV blocks \(63 tokens of KV"):
         sch.add(Sequence(0, "a", list(range(8)), 8, SamplingParams(max_tokens=None)))
@@ -827,7 +849,8 @@ def test_readded_group_bookkeeping_goes_with_its_last_sequence():
 
 
 def test_two_preemptions_in_one_step_are_both_reported():
-    "Three running requests each need a new block and none is free: the latest is preempted, then the middle one itself."
+    """Three running requests each need a new block and none is free: the latest is preempted, then
+    the middle one itself."""
     sch = make_sched(num_blocks=3, block_size=4, memory_threshold=1.0)
     a, b, c = (
         Sequence(i, r, [i] * 4, 4, SamplingParams(max_tokens=2), arrival_time=float(i))
@@ -853,7 +876,8 @@ def test_two_preemptions_in_one_step_are_both_reported():
 
 
 def test_a_request_with_nothing_left_to_preempt_waits_without_spending_budget():
-    "y and r's first fork take the last free blocks; r's second fork finds no victim (both requests are in the step): it waits."
+    """y and r's first fork take the last free blocks; r's second fork finds no victim (both
+    requests are in the step): it waits."""
     sch = make_sched(num_blocks=3, block_size=4, memory_threshold=1.0)
     y = Sequence(0, "y", [9, 9, 9], 3, SamplingParams(max_tokens=2), arrival_time=0.0)
     lead = Sequence(1, "r", [1, 2, 3, 4], 4, SamplingParams(n=2, max_tokens=2), arrival_time=1.0)
@@ -923,7 +947,8 @@ def test_admission_stops_when_the_budget_is_spent_and_uses_a_last_single_token()
 
 
 def test_group_admission_counts_the_siblings_own_blocks():
-    "x holds 12 of 20 blocks (and needs no new one): the group needs 8 + 1 more, so it waits; nothing is half-admitted."
+    """x holds 12 of 20 blocks (and needs no new one): the group needs 8 + 1 more, so it waits;
+    nothing is half-admitted."""
     sch, lead, sib = _group()
     x = Sequence(9, "x", [7] * 47, 47, SamplingParams(max_tokens=2), priority=-1)
     sch.add(x)
@@ -940,7 +965,8 @@ def test_group_admission_counts_the_siblings_own_blocks():
 
 
 def test_sibling_sharing_no_block_gets_no_empty_chunk():
-    "A readmitted sibling whose first block differs shares nothing: it is allocated its own blocks and runs when budget is left."
+    """A readmitted sibling whose first block differs shares nothing: it is allocated its own blocks
+    and runs when budget is left."""
     sch, lead, sib = _group(budget=8, first=[99])
     sch.add(lead)
     sch.add(sib)
@@ -980,7 +1006,8 @@ def test_parked_sibling_waits_for_the_leaders_chunks_and_joins_on_the_exact_bloc
 
 @pytest.mark.parametrize("length,shared", [(32, 7), (33, 8)])
 def test_identical_forks_share_every_full_block_but_the_last_tokens(length, shared):
-    "Greedy forks can be identical: readmitted, the sibling borrows each full block except the one holding its last token."
+    """Greedy forks can be identical: readmitted, the sibling borrows each full block except the one
+    holding its last token."""
     sch = make_sched(num_blocks=40, block_size=4, caching=False, memory_threshold=1.0)
     lead, sib = (
         Sequence(
@@ -1015,7 +1042,8 @@ def test_partly_cached_prompt_still_parks_the_sibling():
 
 
 def test_preempting_a_group_with_a_parked_sibling_unparks_it():
-    "y (higher priority) needs a block while r's sibling is parked: r is preempted whole and nothing stays parked."
+    """y (higher priority) needs a block while r's sibling is parked: r is preempted whole and
+    nothing stays parked."""
     sch = make_sched(
         num_blocks=11, block_size=4, caching=False, memory_threshold=1.0, max_num_batched_tokens=4
     )

@@ -1,9 +1,8 @@
-"""Speculative decoding (12_speculative_decoding): greedy output with either proposer equals greedy output without it, for every
-family and under prefix caching, chunked prefill, preemption and stop strings; sampled output keeps the target's distribution
-(chi-square against the exact distribution); blocks all come back, and the prefix cache holds only KV of accepted tokens."""
+"""Speculative decoding (12_speculative_decoding): greedy output with either proposer equals greedy
+output without it, for every family and under prefix caching, chunked prefill, preemption and
+stop strings; sampled output keeps the target's distribution (chi-square against the exact
+distribution); blocks all come back, and the prefix cache holds only KV of accepted tokens."""
 
-import json
-import math
 import pytest
 import torch
 from hetero_infer.core import EngineConfig, SamplingParams
@@ -19,7 +18,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 
 
 def looping_prompts(vocab=256, seed=1):
-    "Prompts with repeats in them, so prompt lookup finds something (a random model's greedy output also loops)."
+    """Prompts with repeats in them, so prompt lookup finds something (a random model's greedy
+    output also loops)."""
     g = torch.Generator().manual_seed(seed)
     base = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 9, 13)]
     return [
@@ -70,7 +70,8 @@ def same(a, b):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_equals_plain(family_ckpt, method):
-    "Both proposers, prefix caching (prompts repeated), and then chunked prefill with preemption in a 10-block cache."
+    """Both proposers, prefix caching (prompts repeated), and then chunked prefill with preemption
+    in a 10-block cache."""
     path, draft, ps, ref = family_ckpt
     kw = dict(
         speculative_method=method,
@@ -129,7 +130,8 @@ def demo(**kw):
 
 
 def test_stops_inside_an_accepted_run():
-    "On the demo model a sorted input is copied, so whole runs are accepted: stop strings, max_tokens and min_tokens cut inside them."
+    """On the demo model a sorted input is copied, so whole runs are accepted: stop strings,
+    max_tokens and min_tokens cut inside them."""
     q = [format_prompt("sort: a b c d e f g h"), format_prompt("sort: b c d e f g h i")]
     plain, spec = demo(), demo(speculative_method="ngram", num_speculative_tokens=5)
     for sp in (
@@ -222,7 +224,8 @@ def chi2_sf(x: float, dof: int) -> float:
     ],
 )
 def test_sampled_distribution_is_the_targets(tmp_path, method, params):
-    "Tokens 2 and 3 of 3000 seeded samples on an 8-token vocabulary follow the exact target distribution (chi-square, p > 0.001)."
+    """Tokens 2 and 3 of 3000 seeded samples on an 8-token vocabulary follow the exact target
+    distribution (chi-square, p > 0.001)."""
     V, path, dpath = 8, tmp_path / "m", tmp_path / "d"
     model = tiny_hf_checkpoint(
         path,
@@ -296,7 +299,8 @@ def test_seeded_requests_reproduce():
 
 
 def test_prefix_cache_holds_only_accepted_kv(tmp_path):
-    "A draft that is mostly rejected writes KV for many rejected tokens: none of it is cached, and reusing the cache changes nothing."
+    """A draft that is mostly rejected writes KV for many rejected tokens: none of it is cached, and
+    reusing the cache changes nothing."""
     path, dpath = tmp_path / "m", tmp_path / "d"
     tiny_hf_checkpoint(
         path,
@@ -384,7 +388,8 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_verification_through_the_triton_backend():
-    "The verification chunk runs through the Triton kernels too (the interpreter on a CPU): same greedy tokens, proposals accepted."
+    """The verification chunk runs through the Triton kernels too (the interpreter on a CPU): same
+    greedy tokens, proposals accepted."""
     qs = [
         format_prompt("sort: a b c d e f g h"),
         format_prompt("reverse: a b c"),
@@ -419,7 +424,8 @@ def test_draft_speculation_with_a_small_budget_does_not_crash():
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_trimmed_proposals_keep_greedy_output(family_ckpt, method):
-    "Random small budgets, tight caches, n in {1, 2}, k in [1, 4]: greedy output stays plain greedy."
+    """Random small budgets, tight caches, n in {1, 2}, k in [1, 4]: greedy output stays plain
+    greedy."""
     import random
 
     path, draft, ps, _ = family_ckpt

@@ -1,5 +1,6 @@
-"""The per-step token budget (`max_num_batched_tokens`): when running decodes alone exceed it (n > 1 forks), and at the
-exact boundary where a prompt is as long as the budget, with chunked prefill on and off."""
+"""The per-step token budget (`max_num_batched_tokens`): when running decodes alone exceed it (n > 1
+forks), and at the exact boundary where a prompt is as long as the budget, with chunked prefill
+on and off."""
 
 import itertools
 import pytest
@@ -34,7 +35,8 @@ def new_seq(n_tokens, rid=None, **params):
 
 
 def step(sch, max_tokens=None):
-    "schedule -> update -> append a token to every sequence that sampled; finish those at max_tokens. Returns the output."
+    """schedule -> update -> append a token to every sequence that sampled; finish those at
+    max_tokens. Returns the output."""
     out = sch.schedule()
     sampled = [x.seq for x in out.scheduled if x.samples]
     sch.update(out)
@@ -46,7 +48,8 @@ def step(sch, max_tokens=None):
 
 
 def forked(sch, n, prompt_len=3, max_tokens=5):
-    "A request with n completions, prefilled, then forked as the engine does after its first step: n running decodes."
+    """A request with n completions, prefilled, then forked as the engine does after its first step:
+    n running decodes."""
     parent = new_seq(prompt_len, rid=f"fork{next(_ids)}", n=n, max_tokens=max_tokens)
     sch.add(parent)
     out = sch.schedule()
@@ -62,7 +65,8 @@ def forked(sch, n, prompt_len=3, max_tokens=5):
 
 
 def test_forked_decodes_beyond_the_budget_share_it():
-    "n = 6 forks with a budget of 4 tokens: each step runs at most 4 decodes, uses all 4 while they wait, and all finish."
+    """n = 6 forks with a budget of 4 tokens: each step runs at most 4 decodes, uses all 4 while
+    they wait, and all finish."""
     sch = make_sched(budget=4, max_num_seqs=8)
     forks = forked(sch, 6)
     per_step = []
@@ -80,7 +84,8 @@ def test_forked_decodes_beyond_the_budget_share_it():
 
 
 def test_decodes_beyond_the_budget_leave_no_room_for_a_prefill():
-    "3 forked decodes with a budget of 2: a waiting prompt is not admitted into a step the decodes fill; it runs later."
+    """3 forked decodes with a budget of 2: a waiting prompt is not admitted into a step the decodes
+    fill; it runs later."""
     sch = make_sched(budget=2, max_num_seqs=8)
     forks = forked(sch, 3, prompt_len=2, max_tokens=3)
     late = new_seq(2, max_tokens=1)
@@ -106,7 +111,8 @@ def test_prompt_exactly_the_budget_runs_in_one_step(chunked):
 
 
 def test_prompt_one_over_the_budget():
-    "Chunked prefill off: a 17-token prompt can never run in a 16-token step and is refused at add, naming the budget."
+    """Chunked prefill off: a 17-token prompt can never run in a 16-token step and is refused at
+    add, naming the budget."""
     sch = make_sched(budget=16, chunked=False)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         sch.add(new_seq(17, max_tokens=1))
@@ -119,7 +125,8 @@ def test_prompt_one_over_the_budget():
 
 
 def test_whole_prompt_waits_for_room_when_chunking_is_off():
-    "Chunked prefill off: a prompt of exactly the budget waits while a decode takes a token, and then runs whole."
+    """Chunked prefill off: a prompt of exactly the budget waits while a decode takes a token, and
+    then runs whole."""
     sch = make_sched(budget=16, chunked=False)
     a = new_seq(4, max_tokens=3)
     sch.add(a)
