@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
@@ -47,18 +48,40 @@ def _encode(tokenizer, prompt) -> list[int]:
     return tokenizer.encode(check_text(prompt, "prompt"))
 
 
+def _template_kwargs(tokenizer, kwargs: dict | None) -> dict | None:
+    "`chat_template_kwargs` checked: template variables only, none of apply_chat_template's own."
+    if not kwargs:
+        return kwargs
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+    if own & set(kwargs):
+        raise ValueError(
+            f"chat_template_kwargs: {sorted(own & set(kwargs))} are not template variables"
+            " (the server sets the template, the messages and how they are rendered)"
+        )
+    return kwargs
+
+
 def _chat_ids(tokenizer, req: ChatCompletionRequest) -> list[int]:
     "Token ids of a conversation through the model's chat template (on the worker thread)."
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     for i, m in enumerate(messages):
         if "name" in m:
             check_text(m["name"], f"messages[{i}].name")
-    return render_chat(
-        tokenizer,
-        messages,
-        add_generation_prompt=req.add_generation_prompt,
-        chat_template_kwargs=req.chat_template_kwargs,
-    )
+    kwargs = _template_kwargs(tokenizer, req.chat_template_kwargs) if tokenizer else None
+    try:
+        return render_chat(
+            tokenizer,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template_kwargs=kwargs,
+        )
+    except ValueError:
+        raise
+    except Exception as e:  # the template failed on a variable the client sent: its 400
+        if not kwargs:
+            raise
+        msg = f"chat_template_kwargs: the chat template failed with them: {type(e).__name__}: {e}"
+        raise ValueError(msg) from None
 
 
 def _usage(prompt_ids: list[list[int]], finals: list[RequestOutput]) -> dict:

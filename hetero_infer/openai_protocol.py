@@ -87,6 +87,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple]] = {
     "modalities": ("only text output is supported", (["text"],)),
     "prediction": ("predicted outputs are not supported", ()),
     "reasoning_effort": ("reasoning effort is not supported", ()),
+    "verbosity": ("verbosity is not supported", ()),
+    "web_search_options": ("web search is not supported", ()),
+    "store": ("completions are not stored", (False,)),
 }
 COMPLETION_UNSUPPORTED = {
     **UNSUPPORTED_FIELDS,

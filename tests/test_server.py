@@ -850,6 +850,13 @@ chat_fields = {
     "logprobs": st.one_of(st.booleans(), junk),
     "top_logprobs": st.one_of(st.integers(-1, 25), junk),
     "max_completion_tokens": small,
+    "chat_template_kwargs": st.one_of(
+        st.dictionaries(st.sampled_from(["messages", "documents", "x", "chat_template"]), junk),
+        junk,
+    ),
+    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=3), st.integers(-200, 200)), junk),
+    "response_format": junk,
+    "tool_choice": junk,
 }
 completion_bodies = st.fixed_dictionaries({"prompt": prompts}, optional=fields)
 chat_bodies = st.fixed_dictionaries({"messages": messages}, optional=chat_fields)
@@ -1199,12 +1206,13 @@ def test_chat_template_kwargs_reach_the_template(template_url):
     base = usage()
     assert usage(chat_template_kwargs={"hint": "abc"}) == base + 3
     assert usage(add_generation_prompt=False) < base
-    r = httpx.post(
-        template_url + "/v1/chat/completions",
-        json={**body, "chat_template_kwargs": {"tokenize": True}},
-        timeout=60,
-    )
-    assert_error(r, 400, "chat_template_kwargs")
+    for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1/0 }}"}, {"messages": 1}):
+        r = httpx.post(
+            template_url + "/v1/chat/completions",
+            json={**body, "chat_template_kwargs": kwargs},
+            timeout=60,
+        )
+        assert_error(r, 400, "chat_template_kwargs")
 
 
 def test_a_template_that_refuses_the_conversation_is_a_400(template_url):
