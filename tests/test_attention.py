@@ -1,10 +1,9 @@
-"""Sweeps for the torch paged-attention reference (hetero_infer.attention) against an fp64 contiguous reference."""
+"""Sweeps for the torch paged-attention reference (hetero_infer.attention) against an fp64
+contiguous reference."""
 
 import math
-import random
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from hetero_infer.attention import (
     AttentionMetadata,
@@ -31,8 +30,9 @@ def rel_err(out, ref):
 
 
 def make_case(seq_lens, q_lens, bs, Hkv, g, D, dtype, seed=0, spare=3):
-    """A NaN-filled cache with shuffled, non-contiguous block tables; each sequence's prefix (all but its last q_len
-    tokens) already written. Returns the cache, the metadata, the step's q/k/v and the full contiguous K/V/Q."""
+    """A NaN-filled cache with shuffled, non-contiguous block tables; each sequence's prefix (all
+    but its last q_len tokens) already written. Returns the cache, the metadata, the step's q/k/v
+    and the full contiguous K/V/Q."""
     gen = torch.Generator().manual_seed(seed)
     nblocks = [math.ceil(L / bs) for L in seq_lens]
     num_blocks = sum(nblocks) + spare
@@ -68,7 +68,8 @@ def make_case(seq_lens, q_lens, bs, Hkv, g, D, dtype, seed=0, spare=3):
 
 
 def reference(full, seq_lens, q_lens, scale, window=None):
-    "fp64 dense masked softmax over each contiguous sequence (causal, or the last `window` positions), keeping its last q_len rows."
+    """fp64 dense masked softmax over each contiguous sequence (causal, or the last `window`
+    positions), keeping its last q_len rows."""
     outs = []
     for (q, k, v), L, n in zip(full, seq_lens, q_lens):
         q, k, v = q.double(), k.double(), v.double()
@@ -111,7 +112,8 @@ def test_decode_sweep(bs, D, g, dtype):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("bs", [8, 16, 32])
 def test_prefill_chunk_over_cached_prefix(bs, D, g, dtype):
-    "Chunks after cached prefixes (chunked prefill / prefix-cache hits) equal those rows of full causal attention."
+    """Chunks after cached prefixes (chunked prefill / prefix-cache hits) equal those rows of full
+    causal attention."""
     lens = ragged_lens(bs)
     qlens = [
         1,
@@ -252,13 +254,14 @@ def test_import_does_not_import_triton():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-# --- sliding windows, any head size, bounded padding ---------------------------------------------------
+# --- sliding windows, any head size, bounded padding -------------------------------------------
 
 
 @pytest.mark.parametrize("window", [1, 3, 8, 17, 100])
 @pytest.mark.parametrize("D", [80, 96, 112])
 def test_window_and_head_sizes_against_dense_masked_softmax(window, D):
-    "Ragged decodes and chunks over cached prefixes, non-power-of-two head sizes, windows shorter and longer than contexts."
+    """Ragged decodes and chunks over cached prefixes, non-power-of-two head sizes, windows shorter
+    and longer than contexts."""
     bs, lens, qlens = 8, [1, 9, 30, 17, 41, 8], [1, 1, 1, 5, 13, 8]
     kc, vc, meta, q, k, v, full = make_case(
         lens, qlens, bs, 2, 3, D, torch.float32, seed=window * D
@@ -340,7 +343,8 @@ def test_decode_and_prefill_free_functions_take_window():
     ],
 )
 def test_padding_is_bounded(q_lens, keys):
-    "Padded query x key work of every bucket stays within 1.25x its own real work: no batch x longest blow-up."
+    """Padded query x key work of every bucket stays within 1.25x its own real work: no batch x
+    longest blow-up."""
     for g in attention_buckets(q_lens, keys):
         padded = len(g) * max(q_lens[i] for i in g) * max(keys[i] for i in g)
         assert padded <= 1.25 * sum(q_lens[i] * keys[i] for i in g)
@@ -348,7 +352,8 @@ def test_padding_is_bounded(q_lens, keys):
 
 
 def test_mixed_prefill_plan_is_small():
-    "One 1,900-token prompt with 100 eight-token prompts: the plan gathers about the real keys and masks nothing large."
+    """One 1,900-token prompt with 100 eight-token prompts: the plan gathers about the real keys and
+    masks nothing large."""
     lens = [1900] + [8] * 100
     nb = [-(-n // 16) for n in lens]
     tables, at = [], 0

@@ -1,13 +1,14 @@
-"""Models whose head size is not a power of two (80, 96: Phi-2, StableLM, GPT-NeoX-style) equal transformers through
-both attention backends (the Triton one under the interpreter), and the backend choice follows what the kernels support.
-(Sliding-window models through both backends: tests/test_engine.py::test_sliding_window_equals_transformers.)"""
+"""Models whose head size is not a power of two (80, 96: Phi-2, StableLM, GPT-NeoX-style) equal
+transformers through both attention backends (the Triton one under the interpreter), and the
+backend choice follows what the kernels support. (Sliding-window models through both backends:
+tests/test_engine.py::test_sliding_window_equals_transformers.)"""
 
 import os
 import warnings
 import pytest
 import torch
 from hetero_infer.core import EngineConfig
-from hetero_infer.model import ModelConfig, ModelRunner, attention_backend_for, load_model
+from hetero_infer.model import ModelConfig, ModelRunner, attention_backend_for
 from hetero_infer.testing import tiny_hf_checkpoint
 from test_model import paged_logits
 
@@ -19,7 +20,8 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def logits_paged(model, ids, prefill_len, bs=4, num_blocks=16):
-    "ids[:prefill_len] as one prefill, then one decode step per further token, over a shuffled block table."
+    """ids[:prefill_len] as one prefill, then one decode step per further token, over a shuffled
+    block table."""
     return paged_logits(model, ids, prefill_len, bs, num_blocks, seed=1)
 
 
@@ -48,7 +50,8 @@ def test_non_power_of_two_head_matches_hf(tmp_path, family, head_dim, backend):
 
 
 def test_backend_choice_follows_the_kernels():
-    "auto never picks a backend that fails: it falls back to torch with a warning; an explicit triton is refused by name."
+    """auto never picks a backend that fails: it falls back to torch with a warning; an explicit
+    triton is refused by name."""
     wide = ModelConfig("LlamaForCausalLM", 256, 1280, 512, 1, 4, 4, 320)
     window = ModelConfig(
         "MistralForCausalLM", 256, 64, 128, 1, 4, 2, 16, sliding_window=8, layer_windows=[8]

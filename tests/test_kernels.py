@@ -1,9 +1,10 @@
-"""Sweeps for the Triton paged-attention kernels (hetero_infer.kernels) against an fp64 reference and the torch backend.
+"""Sweeps for the Triton paged-attention kernels (hetero_infer.kernels) against an fp64 reference
+and the torch backend.
 
-On a machine without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), which costs
-~0.1-0.5 s a call, so the dtype x head_dim x GQA x block-size sweeps use a pairwise-covering subset of the grid
-(every pair of values of any two axes appears at least once: 9 of 36 cases per kernel). On a GPU they run the
-full product, bf16 included."""
+On a machine without a GPU the kernels run in Triton's interpreter (conftest sets
+TRITON_INTERPRET=1), which costs ~0.1-0.5 s a call, so the dtype x head_dim x GQA x block-size
+sweeps use a pairwise-covering subset of the grid (every pair of values of any two axes appears at
+least once: 9 of 36 cases per kernel). On a GPU they run the full product, bf16 included."""
 
 import itertools
 import math
@@ -36,7 +37,8 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" els
 
 
 def pairwise(shift=0):
-    "9 (bs, D, g, dtype) cases covering every pair of values of any two axes (an L9 orthogonal array, columns folded)."
+    """9 (bs, D, g, dtype) cases covering every pair of values of any two axes (an L9 orthogonal
+    array, columns folded)."""
     return [
         (
             BLOCK_SIZES[a],
@@ -57,8 +59,9 @@ def rel_err(out, ref):
 
 
 def make_case(seq_lens, q_lens, bs, Hkv, g, D, dtype, seed=0, spare=3):
-    """NaN-filled caches with shuffled block tables and each sequence's prefix (all but its last q_len tokens) written.
-    Returns caches, metadata, the step's q/k/v and each sequence's full contiguous (q, k, v) for the reference."""
+    """NaN-filled caches with shuffled block tables and each sequence's prefix (all but its last
+    q_len tokens) written. Returns caches, metadata, the step's q/k/v and each sequence's full
+    contiguous (q, k, v) for the reference."""
     gen = torch.Generator().manual_seed(seed)
     nblocks = [math.ceil(L / bs) for L in seq_lens]
     perm = torch.randperm(sum(nblocks) + spare, generator=gen).tolist()
@@ -120,7 +123,8 @@ def test_decode_sweep(bs, D, g, dtype):
 
 @pytest.mark.parametrize("bs,D,g,dtype", GRID or pairwise(1))
 def test_prefill_sweep(bs, D, g, dtype):
-    "Chunks over cached prefixes: a 1-token context, whole prompts, short chunks, and a 65-token chunk (two query tiles)."
+    """Chunks over cached prefixes: a 1-token context, whole prompts, short chunks, and a 65-token
+    chunk (two query tiles)."""
     lens, qlens = [1, bs, bs + 1, 2 * bs, 3 * bs + 5, 70], [1, bs, 3, 2 * bs, bs + 2, 65]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, g, D, dtype, seed=bs * D * g)
     triton_write_kv(k, v, kc, vc, meta.slot_mapping)
@@ -132,7 +136,8 @@ def test_prefill_sweep(bs, D, g, dtype):
 
 
 def test_split_k_equals_no_split():
-    "Pieces that end mid-context, pieces past the end of short contexts, and more pieces than tiles all merge exactly."
+    """Pieces that end mid-context, pieces past the end of short contexts, and more pieces than
+    tiles all merge exactly."""
     lens = [1, 63, 64, 65, 200, 333]
     kc, vc, meta, q, k, v, full = make_case(
         lens, [1] * len(lens), 16, 2, 4, 64, torch.float32, seed=7
@@ -146,7 +151,8 @@ def test_split_k_equals_no_split():
 
 
 def test_mixed_step_matches_torch_backend():
-    "forward: decodes then prefill chunks, q/k/v as strided views of one fused projection, against both oracles."
+    """forward: decodes then prefill chunks, q/k/v as strided views of one fused projection, against
+    both oracles."""
     lens, qlens = [5, 16, 17, 40, 24, 1], [1, 1, 1, 12, 24, 1]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, 16, 2, 4, 64, torch.float32, seed=11)
     meta.num_decodes = 3  # the last 1-token sequence goes down the prefill path
@@ -172,7 +178,8 @@ def test_mixed_step_matches_torch_backend():
     specs=st.lists(st.tuples(st.integers(1, 80), st.integers(1, 80)), min_size=1, max_size=4),
 )
 def test_forward_random_batches(seed, bs, g, specs):
-    "Random steps (decodes first, then chunks) through the Triton backend against the fp64 reference."
+    """Random steps (decodes first, then chunks) through the Triton backend against the fp64
+    reference."""
     specs = sorted(((L, min(n, L)) for L, n in specs), key=lambda s: s[1] != 1)
     lens, qlens = [s[0] for s in specs], [s[1] for s in specs]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 1, g, 64, torch.float32, seed=seed)
@@ -199,7 +206,8 @@ def test_write_kv_padding_and_untouched_slots():
     "D,g,bs", [(8, 2, 16), (32, 2, 1), (80, 3, 16), (96, 1, 128), (112, 20, 8), (256, 2, 2)]
 )
 def test_any_head_dim(D, g, bs):
-    "Heads that are not powers of two (padded to the next one with a mask), tiny and wide heads, > 16 query heads per KV head."
+    """Heads that are not powers of two (padded to the next one with a mask), tiny and wide heads, >
+    16 query heads per KV head."""
     lens, qlens = [1, 20, 37], [1, 1, 9]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, g, D, torch.float32, seed=D)
     out = TritonAttentionBackend().forward(q, k, v, kc, vc, meta, D**-0.5)
@@ -211,7 +219,8 @@ def test_any_head_dim(D, g, bs):
 
 
 def reference_window(full, seq_lens, q_lens, scale, window):
-    "fp64 SDPA over each contiguous sequence with transformers' sliding-window mask: query p sees keys (p - window, p]."
+    """fp64 SDPA over each contiguous sequence with transformers' sliding-window mask: query p sees
+    keys (p - window, p]."""
     outs = []
     for (q, k, v), L, n in zip(full, seq_lens, q_lens):
         t = lambda x: x.double().transpose(0, 1)
@@ -228,7 +237,8 @@ def reference_window(full, seq_lens, q_lens, scale, window):
     "window,bs,g", [(1, 8, 4), (6, 16, 1), (33, 4, 8), (64, 16, 2), (200, 8, 4)]
 )
 def test_sliding_window(window, bs, g):
-    "Decodes (with and without split-K) and prefill chunks over cached prefixes, windows shorter and longer than a tile."
+    """Decodes (with and without split-K) and prefill chunks over cached prefixes, windows shorter
+    and longer than a tile."""
     lens, qlens = [1, 10, 70, 130, 40, 100], [1, 1, 1, 1, 40, 65]
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, bs, 2, g, 64, torch.float32, seed=window)
     meta.num_decodes = 4

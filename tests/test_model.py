@@ -1,4 +1,5 @@
-"""The Llama-family model against transformers on tiny random-weight checkpoints of every family (CPU, fp32)."""
+"""The Llama-family model against transformers on tiny random-weight checkpoints of every family
+(CPU, fp32)."""
 
 import inspect
 import json
@@ -44,7 +45,8 @@ def hf_logits(hf, ids):  # (L,) -> (L, vocab)
 
 
 def paged_logits(model, ids, prefill_len, bs=4, num_blocks=24, seed=0):
-    "ids[:prefill_len] as one prefill, then one decode step per further token, over a shuffled block table."
+    """ids[:prefill_len] as one prefill, then one decode step per further token, over a shuffled
+    block table."""
     c = model.config
     caches = [
         tuple(torch.zeros(num_blocks, bs, c.num_kv_heads, c.head_dim) for _ in "kv")
@@ -96,7 +98,8 @@ def test_triton_backend_under_interpreter(tmp_path):
 
 
 class Hand:
-    "Blocks from a shuffled free list and slots from the block tables: enough scheduling to drive a ModelRunner."
+    """Blocks from a shuffled free list and slots from the block tables: enough scheduling to drive
+    a ModelRunner."""
 
     def __init__(self, runner, seed=0):
         self.r, self.free = runner, list(range(runner.num_blocks))
@@ -118,7 +121,8 @@ class Hand:
 
 
 def test_runner_mixed_steps_match_hf(ckpt):
-    "Decodes and prefill chunks of several sequences in one flat batch: each sampled row equals HF's last-token logits."
+    """Decodes and prefill chunks of several sequences in one flat batch: each sampled row equals
+    HF's last-token logits."""
     family, path, hf = ckpt
     r = ModelRunner(EngineConfig(model=str(path), block_size=4, num_blocks=40, device="cpu"))
     prompts = [rand_ids(n, seed=n).tolist() for n in (9, 3, 6, 1)]
@@ -151,7 +155,8 @@ def test_runner_mixed_steps_match_hf(ckpt):
 
 
 def test_copy_on_write_fork(tmp_path):
-    "Two sequences share a partly filled prompt block; the fork copies it before writing its own token there."
+    """Two sequences share a partly filled prompt block; the fork copies it before writing its own
+    token there."""
     hf = tiny_hf_checkpoint(tmp_path, "qwen3")
     r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=16))
     parent = Sequence(0, "a", rand_ids(6).tolist(), 6)
@@ -275,7 +280,8 @@ def _takes_window(backend):
 
 
 def test_sliding_window_does_not_cap_max_model_len(tmp_path):
-    "A window of 64 no longer caps max_model_len at 64 (the backend attends over the window); a backend without windows is refused."
+    """A window of 64 no longer caps max_model_len at 64 (the backend attends over the window); a
+    backend without windows is refused."""
     tiny_hf_checkpoint(tmp_path, "mistral", sliding_window=64)
     if not _takes_window(get_attention_backend("torch")):
         with pytest.raises(ValueError, match="does not support sliding windows.*sliding_window=64"):
@@ -294,7 +300,8 @@ def test_sliding_window_does_not_cap_max_model_len(tmp_path):
     [("llama", "gelu"), ("llama", "gelu_new"), ("qwen3", "gelu_pytorch_tanh"), ("mistral", "relu")],
 )
 def test_activation_matches_hf(tmp_path, family, act):
-    "hidden_act is honoured: a GELU/ReLU checkpoint gives transformers' logits (it used to run SiLU regardless)."
+    """hidden_act is honoured: a GELU/ReLU checkpoint gives transformers' logits (it used to run
+    SiLU regardless)."""
     hf = tiny_hf_checkpoint(tmp_path, family, hidden_act=act)
     ids = rand_ids(15, seed=4)
     torch.testing.assert_close(
@@ -323,7 +330,8 @@ def test_unsupported_config_field_is_refused_by_name(tmp_path, field, value):
 
 
 def test_bias_fields_follow_transformers():
-    "attention_bias: all four projections for Llama/Qwen3, ignored by Mistral; Qwen2 always q/k/v only; mlp_bias only for Llama."
+    """attention_bias: all four projections for Llama/Qwen3, ignored by Mistral; Qwen2 always q/k/v
+    only; mlp_bias only for Llama."""
     base = dict(
         vocab_size=256,
         hidden_size=64,
@@ -395,7 +403,8 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(
         ValueError,
-        match="unsupported architecture 'GPTNeoXForCausalLM'.*supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        match="unsupported architecture 'GPTNeoXForCausalLM'.*supported: LlamaForCausalLM, "
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
     ):
         load_model(tmp_path)
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
@@ -480,7 +489,8 @@ def test_missing_and_unexpected_weights(tmp_path):
 
 
 def test_with_block_manager_fork_and_prefix_cache(tmp_path):
-    "The runner over the real BlockManager: copy-on-write after a fork, then a prefix-cache hit, all equal to HF."
+    """The runner over the real BlockManager: copy-on-write after a fork, then a prefix-cache hit,
+    all equal to HF."""
     from hetero_infer.block_manager import BlockManager
 
     hf = tiny_hf_checkpoint(tmp_path, "llama")
