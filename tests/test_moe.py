@@ -1,0 +1,250 @@
+"""Mixture of experts (hetero_infer.moe, hetero_infer.moe_kernels): the router against
+transformers' (ties included), loop = grouped = the Triton kernel (interpreter on CPU) on awkward
+sizes, MoEBlock against transformers' Qwen3-MoE, Mixtral and Qwen2-MoE layers from a saved
+checkpoint (per-expert layout) and from a state dict (fused layout), and bad configs and
+checkpoints refused naming the cause."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from hetero_infer.moe import (
+    MoEBlock,
+    MoEConfig,
+    align_block_size,
+    expert_shard,
+    is_moe_layer,
+    load_moe_weights,
+    moe_checkpoint_names,
+    moe_grouped,
+    moe_loop,
+    moe_prefix,
+    route,
+    sort_by_expert,
+)
+
+torch.set_num_threads(1)  # pinned: 2 shared cores
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_SMALL["vocab_size"] = 128
+
+
+def _configs():
+    "Tiny configs of the three families: top-2 of 8, top-2 of 6, top-3 of 8 + a shared expert."
+    q3 = transformers.Qwen3MoeConfig(
+        **_SMALL, intermediate_size=96, moe_intermediate_size=32, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True,
+    )  # fmt: skip
+    mx = transformers.MixtralConfig(
+        **_SMALL, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2
+    )
+    q2 = transformers.Qwen2MoeConfig(
+        **_SMALL, intermediate_size=96, moe_intermediate_size=24, num_experts=8,
+        num_experts_per_tok=3, shared_expert_intermediate_size=40, norm_topk_prob=False,
+    )  # fmt: skip
+    return {"qwen3_moe": q3, "mixtral": mx, "qwen2_moe": q2}
+
+
+def _tiny_model(hf_cfg, seed=0, tie=True):
+    "A random HF MoE model; router rows spread, and experts 0, 1, 2 tied in every router."
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            g = layer.mlp.gate.weight
+            g.normal_(0, 0.5)
+            if tie:
+                g[1] = g[2] = g[0]
+    return model
+
+
+def _random_moe(T, E, k, H=40, I=24, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    w, ids = route(torch.randn(T, E, generator=g), k)
+    return x, gate_up, down, w, ids
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    "family -> (HF model, tensors of its saved checkpoint)."
+    out = {}
+    for fam, hf_cfg in _configs().items():
+        model = _tiny_model(hf_cfg)
+        d = tmp_path_factory.mktemp(fam)
+        model.save_pretrained(d)
+        out[fam] = model, load_file(d / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_router_equals_transformers_with_ties(family, saved):
+    model, _ = saved[family]
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, hf_w, hf_ids = gate(x)
+        cfg = MoEConfig.from_hf(model.config)
+        w, ids = route(F.linear(x, gate.weight), cfg.top_k, cfg.norm_topk_prob)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(w, hf_w.float(), atol=1e-7, rtol=0)
+    tied = torch.isin(ids, torch.tensor([0, 1, 2])).sum(-1) >= 2
+    assert tied.any()  # the tie is exercised
+
+
+def test_route_renormalises_only_when_asked():
+    logits = torch.randn(5, 8)
+    w, _ = route(logits, 3, norm_topk_prob=True)
+    torch.testing.assert_close(w.sum(-1), torch.ones(5))
+    w2, _ = route(logits, 3, norm_topk_prob=False)
+    assert (w2.sum(-1) < 1).all()
+    assert w.dtype == torch.float32 and route(logits.half(), 3)[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 5, 1), (3, 7, 2), (17, 16, 8), (33, 6, 6), (2, 128, 8)])
+def test_loop_equals_grouped(T, E, k):
+    args = _random_moe(T, E, k, seed=T + E)
+    torch.testing.assert_close(moe_grouped(*args), moe_loop(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_batch():
+    args = _random_moe(0, 4, 2)
+    assert moe_grouped(*args).shape == (0, 40)
+    assert moe_loop(*args).shape == (0, 40)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 5, 2), (7, 6, 3), (19, 16, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_equals_loop(T, E, k, dtype):
+    from hetero_infer.moe_kernels import fused_moe
+
+    x, gu, dn, w, ids = _random_moe(T, E, k, seed=T, dtype=dtype)
+    want = moe_loop(x.float(), gu.float(), dn.float(), w, ids)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for tiles in (None, (64, 16, 16), (16, 32, 16)):
+        got = fused_moe(x, gu, dn, w, ids, tiles=tiles).float()
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_sort_and_align():
+    ids = torch.tensor([[3, 0], [0, 3], [1, 0]])
+    order, counts = sort_by_expert(ids, 5)
+    assert order.tolist() == [1, 2, 5, 4, 0, 3] and counts == [3, 1, 0, 2, 0]
+    s, be = align_block_size(ids, 5, 2)
+    assert s.tolist() == [1, 2, 5, 6, 4, 6, 0, 3] and be.tolist() == [0, 0, 1, 3]
+    for T, E, k, bm in [(1, 128, 8, 16), (50, 8, 2, 64), (9, 3, 3, 4)]:
+        ids = torch.rand(T, E).topk(k, dim=-1).indices
+        s, be = align_block_size(ids, E, bm)
+        assert s.numel() == be.numel() * bm
+        real = s[s < T * k]
+        assert sorted(real.tolist()) == list(range(T * k))  # every pair once
+        blk = torch.arange(s.numel()) // bm
+        assert (ids.reshape(-1)[real.long()] == be[blk[s < T * k]]).all()  # in its expert's block
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("method", ["loop", "grouped", "triton"])
+def test_layer_equals_transformers(family, method, saved):
+    model, tensors = saved[family]
+    cfg = MoEConfig.from_hf(model.config)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(2))
+    for layer in range(2):
+        prefix = moe_prefix(tensors, layer)
+        assert ("block_sparse_moe" in prefix) == (family == "mixtral")  # the saved layout
+        block = MoEBlock.from_checkpoint(tensors, prefix, cfg, method=method)
+        hf_block = model.model.layers[layer].mlp
+        with torch.no_grad():
+            assert torch.equal(block.route(x)[1], hf_block.gate(x)[2])
+            torch.testing.assert_close(block(x), hf_block(x[None])[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_fused_layout_loads(family, saved):
+    model, _ = saved[family]
+    hf_block = model.model.layers[1].mlp
+    state = {"p." + k: v for k, v in hf_block.state_dict().items()}
+    assert "p.experts.gate_up_proj" in state
+    cfg = MoEConfig.from_hf(model.config)
+    block = MoEBlock.from_checkpoint(state, "p.", cfg, method="grouped")
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), hf_block(x[None])[0], atol=1e-5, rtol=1e-5)
+    half = load_moe_weights(state, "p.", cfg, experts=range(2, 4))
+    assert torch.equal(half["experts.down_proj"], state["p.experts.down_proj"][2:4])
+
+
+def test_expert_slice_per_expert_layout(saved):
+    _, tensors = saved["mixtral"]
+    cfg = MoEConfig.from_hf(saved["mixtral"][0].config)
+    p = "model.layers.0.block_sparse_moe."
+    st = load_moe_weights(tensors, p, cfg, experts=expert_shard(6, 3, 2))
+    assert st["experts.gate_up_proj"].shape == (2, 80, 64)
+    want = torch.cat([tensors[p + "experts.5.w1.weight"], tensors[p + "experts.5.w3.weight"]])
+    assert torch.equal(st["experts.gate_up_proj"][1], want)
+
+
+def test_missing_expert_tensor_is_named(saved):
+    _, tensors = saved["mixtral"]
+    cfg = MoEConfig.from_hf(saved["mixtral"][0].config)
+    broken = dict(tensors)
+    del broken["model.layers.1.block_sparse_moe.experts.4.w3.weight"]
+    with pytest.raises(ValueError, match=r"experts\.4\.w3\.weight.*6 experts"):
+        load_moe_weights(broken, "model.layers.1.block_sparse_moe.", cfg)
+    with pytest.raises(ValueError, match="mlp.gate.weight"):
+        moe_prefix(broken, 7)
+
+
+def test_checkpoint_with_fewer_experts_than_config(saved):
+    model, tensors = saved["qwen3_moe"]
+    cfg = MoEConfig.from_hf({**model.config.to_dict(), "num_experts": 10})
+    with pytest.raises(ValueError, match=r"experts\.8\.gate_proj\.weight"):
+        load_moe_weights(tensors, "model.layers.0.mlp.", cfg)
+
+
+def test_wrong_shape_is_named(saved):
+    model, tensors = saved["qwen3_moe"]
+    cfg = MoEConfig.from_hf({**model.config.to_dict(), "moe_intermediate_size": 16})
+    with pytest.raises(ValueError, match="experts.gate_up_proj: shape"):
+        load_moe_weights(tensors, "model.layers.0.mlp.", cfg)
+
+
+def test_expert_count_not_divisible_by_ep_size():
+    assert expert_shard(8, 2, 1) == range(4, 8)
+    assert expert_shard(8) == range(8)
+    with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible.*\(4 = "):
+        expert_shard(6, 4, 0)
+    with pytest.raises(ValueError, match="ep_rank"):
+        expert_shard(8, 2, 2)
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match="top_k"):
+        MoEConfig(num_experts=4, top_k=5, hidden_size=8, intermediate_size=4)
+    with pytest.raises(ValueError, match="num_experts"):
+        MoEConfig(num_experts=0, top_k=1, hidden_size=8, intermediate_size=4)
+    with pytest.raises(ValueError, match="family"):
+        MoEConfig(4, 2, 8, 4, family="llama")
+    with pytest.raises(ValueError, match="model_type"):
+        MoEConfig.from_hf({"model_type": "qwen3"})
+    hf = _configs()["mixtral"].to_dict()
+    with pytest.raises(ValueError, match="hidden_act"):
+        MoEConfig.from_hf({**hf, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="method"):
+        MoEBlock(MoEConfig(4, 2, 8, 4), method="fast")
+
+
+def test_config_and_layer_rules():
+    cfgs = _configs()
+    assert MoEConfig.from_hf(cfgs["mixtral"]).norm_topk_prob  # Mixtral always renormalises
+    q2 = MoEConfig.from_hf(cfgs["qwen2_moe"])
+    assert (q2.norm_topk_prob, q2.shared_expert_intermediate_size) == (False, 40)
+    d = {**cfgs["qwen3_moe"].to_dict(), "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert [is_moe_layer(d, i) for i in range(6)] == [False, True, False, False, False, True]
+    assert is_moe_layer(cfgs["mixtral"].to_dict(), 5)
+    c = MoEConfig.from_hf(cfgs["qwen2_moe"])
+    names = moe_checkpoint_names("m.", c, fused=False, experts=range(1))
+    assert names[-1] == "m.shared_expert_gate.weight" and len(names) == 1 + 3 + 4
