@@ -734,3 +734,21 @@ def test_stats_count_each_allocation():
         st.cached_tokens,
     ) == (3, 5, 2 + 1 + 2, 3, 12)
     assert st.hit_rate == 3 / 5
+
+
+def test_a_decode_that_fills_a_sequences_first_block_publishes_that_block():
+    "commit_decodes reaching position block_size publishes block 0: a later prompt hits it."
+    bm = BlockManager(4, 4)
+    a = mkseq(0, [5, 6, 7])
+    bm.allocate(a)
+    bm.append_slots(a, 3)
+    bm.commit(a, 3)
+    a.append_token(8)
+    bm.append_decode_slots([a])
+    bm.commit_decodes([a])  # position 3 computed: block 0 is full
+    blk = bm.blocks[a.block_table[0]]
+    assert blk.token_ids == (5, 6, 7, 8) and blk.hash == hash_block(b"", [5, 6, 7, 8])
+    bm.free(a)
+    b = mkseq(1, [5, 6, 7, 8, 9])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4
