@@ -7,29 +7,29 @@ __all__ = ["check_output", "bench_command", "main"]
 
 # %% ../nbs/11_benchmarks.ipynb #b0000004
 # `hetero-infer bench offline|serve`: what its commands run.
-import argparse  # noqa: F811
-import json  # noqa: F811
-import os  # noqa: F811
-import shlex  # noqa: F811
-import sys  # noqa: F811
-from pathlib import Path  # noqa: F811
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
 
-import torch  # noqa: F811
+import torch
 
-from .bench_workload import Workload, fit_workload, random_workload  # noqa: F811
-from .bench_peers import format_offline, offline_bench  # noqa: F811
-from .bench_load import format_serve, plot_rate_sweep, serve_bench  # noqa: F811
-from .testing import dummy_checkpoint  # noqa: F811
-from .bench_args import SPECULATIVE_FLAGS, add_bench_arguments  # noqa: F811
+from .bench_workload import Workload, fit_workload, random_workload
+from .bench_peers import format_offline, offline_bench
+from .bench_load import format_serve, plot_rate_sweep, serve_bench
+from .testing import dummy_checkpoint
+from .bench_args import SPECULATIVE_FLAGS, add_bench_arguments
 
 # other chapters' notebooks import these from here
-from .bench_workload import machine_info as machine_info  # noqa: F811
-from .bench_workload import machine_label as machine_label  # noqa: F811
-from .bench_workload import measure as measure  # noqa: F811
-from .bench_workload import measure_interleaved as measure_interleaved  # noqa: F811
-from .bench_experiments import copy_bandwidth as copy_bandwidth  # noqa: F811
-from .bench_experiments import matmul_flops as matmul_flops  # noqa: F811
-from .bench_experiments import weight_bytes as weight_bytes  # noqa: F811
+from .bench_workload import machine_info as machine_info
+from .bench_workload import machine_label as machine_label
+from .bench_workload import measure as measure
+from .bench_workload import measure_interleaved as measure_interleaved
+from .bench_experiments import copy_bandwidth as copy_bandwidth
+from .bench_experiments import matmul_flops as matmul_flops
+from .bench_experiments import weight_bytes as weight_bytes
 
 
 # %% ../nbs/11_benchmarks.ipynb #02c2a9ed

@@ -14,18 +14,17 @@ __all__ = [
 ]
 
 # %% ../nbs/10_cli.ipynb #c1a00002
-# The commands of hetero-infer and its entry point, main. (noqa F811: each module imports what it
-# uses; the notebook is one namespace.)
+# The commands of hetero-infer and its entry point, main.
 import inspect
-import json  # noqa: F811
-import sys  # noqa: F811
-from dataclasses import fields  # noqa: F811
+import json
+import sys
+from dataclasses import fields
 
-from .core import SamplingParams  # noqa: F811
+from .core import SamplingParams
 from .cli_flags import UsageError, build_parser, hpi_argv
-from .cli_flags import seed_argv as seed_argv  # noqa: F811 (the name callers import)
+from .cli_flags import seed_argv as seed_argv  # the name callers import
 from .cli_config import engine_config, serve_options, usage_error
-from .cli_config import check_port  # noqa: F811
+from .cli_config import check_port
 
 # %% ../nbs/10_cli.ipynb #f145c8fd
 LINE_ENDS = "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits on
