@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .core import Sequence, Logprob
+from .penalties import PenaltyCounts, apply_penalties
+from .penalties import seen_tokens as seen_tokens  # re-exported: older imports work
 
 # %% auto #0
 __all__ = [
@@ -68,11 +70,6 @@ def _row_noise(seq: Sequence, V: int, device, generator: torch.Generator | None)
             row_seed(seq.params.seed, seq.index, seq.num_output_tokens)
         )
     return torch.empty(V, device=device).exponential_(generator=generator)
-
-
-# %% ../nbs/06_sampler.ipynb #cf939c8c
-from .penalties import PenaltyCounts, apply_penalties  # noqa: E402 (after 06's penalty cells)
-from .penalties import seen_tokens as seen_tokens  # noqa: E402
 
 
 # %% ../nbs/06_sampler.ipynb #44cea01b
