@@ -10,12 +10,14 @@ from hetero_infer.attention import (
     AttentionBackend,
     TorchAttentionBackend,
     get_attention_backend,
+)
+from hetero_infer.torch_attention import (
+    attention_buckets,
     gather_kv,
     paged_decode_attention,
     paged_prefill_attention,
-    write_kv,
     plan_attention,
-    attention_buckets,
+    write_kv,
 )
 
 TOL = {
