@@ -9,10 +9,11 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 from hetero_infer.attention import AttentionMetadata, get_attention_backend
-from hetero_infer.core import EngineConfig, Sequence
+from hetero_infer.core import DTYPE_ALIASES, EngineConfig, Sequence
 from hetero_infer.model import (
     ModelRunner,
     checkpoint_files,
+    dtype_name,
     load_model,
     parse_config,
     rope_inv_freq,
@@ -394,6 +395,18 @@ def _copy(src, dst, skip=()):
         if f.name not in skip:
             (dst / f.name).write_bytes(f.read_bytes())
     return dst
+
+
+def test_every_dtype_spelling_core_knows(tmp_path):
+    "The model reads dtype spellings from core's one table: what EngineConfig accepts, it loads."
+    for spelling, name in DTYPE_ALIASES.items():
+        assert dtype_name(spelling) == name
+        assert EngineConfig(dtype=spelling).dtype == name
+    tiny_hf_checkpoint(tmp_path, "llama")
+    assert load_model(tmp_path, "bf16").embed_tokens.weight.dtype == torch.bfloat16
+    assert load_model(tmp_path, "fp16").embed_tokens.weight.dtype == torch.float16
+    with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
+        dtype_name("fp8")
 
 
 def test_unsupported_architecture(tmp_path):
