@@ -117,7 +117,7 @@ def test_empty_batch():
     assert moe_loop(*args).shape == (0, 40)
 
 
-@pytest.mark.parametrize("T,E,k", [(1, 5, 2), (7, 6, 3), (19, 16, 8)])
+@pytest.mark.parametrize("T,E,k", [(1, 5, 2), (7, 6, 3), (19, 12, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_equals_loop(T, E, k, dtype):
     from hetero_infer.moe_kernels import fused_moe
