@@ -1,6 +1,8 @@
 """Property tests of the paged KV-cache block manager (hypothesis)."""
 
 import copy
+import hashlib
+from array import array
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
@@ -752,3 +754,11 @@ def test_a_decode_that_fills_a_sequences_first_block_publishes_that_block():
     b = mkseq(1, [5, 6, 7, 8, 9])
     bm.allocate(b)
     assert b.num_cached_tokens == 4
+
+
+def test_hash_block_hashes_signed_64_bit_ids_chained_from_an_empty_parent():
+    "The hash is sha256(parent + int64 ids), pinned: a cached prefix means the same everywhere."
+    assert hash_block(b"", [-1, 2]) == hashlib.sha256(array("q", [-1, 2]).tobytes()).digest()
+    s = mkseq(0, [1, 2, 3, 4, 5])
+    BlockManager(4, 4).allocate(s)
+    assert s.block_hashes == [hash_block(b"", [1, 2, 3, 4])]  # the first block's parent is b""
