@@ -531,14 +531,6 @@ def test_cors_flags():
     )
 
 
-def _serve_takes_cors() -> bool:
-    import inspect
-    from hetero_infer.server import serve
-
-    return "allowed_origins" in inspect.signature(serve).parameters
-
-
-@pytest.mark.skipif(not _serve_takes_cors(), reason="the server's serve() has no CORS settings yet")
 def test_cors_preflight_through_the_command():
     "Item 17 end to end: a browser's preflight to a `serve --allowed-origins ...` is allowed."
     import httpx
