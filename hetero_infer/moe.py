@@ -20,7 +20,6 @@ __all__ = [
     "moe_loop",
     "sort_by_expert",
     "moe_grouped",
-    "align_block_size",
     "moe_prefix",
     "moe_checkpoint_names",
     "load_moe_weights",
@@ -175,27 +174,6 @@ def moe_grouped(
             start += n
     ys = ys * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, tok, ys.to(x.dtype))
-
-
-# %% ../nbs/16_mixture_of_experts.ipynb #a45d6d2c
-def align_block_size(
-    ids: torch.Tensor,  # (T, k) expert ids
-    num_experts: int,
-    block_m: int,  # rows per block of the grouped GEMM
-) -> tuple[torch.Tensor, torch.Tensor]:  # sorted pair ids (B*block_m,), block's expert (B,)
-    "Pair ids sorted by expert, each expert's run padded to a multiple of `block_m` with `T*k`."
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
-    padded = (counts + block_m - 1) // block_m * block_m  # (E,) rows each expert's run takes
-    order = torch.argsort(flat, stable=True)  # (n,) pair ids by expert
-    e_sorted = flat[order]
-    rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
-    dest = (torch.cumsum(padded, 0) - padded)[e_sorted] + rank  # row of each pair
-    sorted_ids = torch.full((int(padded.sum()),), n, dtype=torch.int32, device=flat.device)
-    sorted_ids[dest] = order.to(torch.int32)
-    experts = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
-    return sorted_ids, experts.repeat_interleave(padded // block_m)
 
 
 # %% ../nbs/16_mixture_of_experts.ipynb #5046a7cc

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from hetero_infer.moe import (
     MoEBlock,
     MoEConfig,
-    align_block_size,
     expert_shard,
     is_moe_layer,
     load_moe_weights,
@@ -22,6 +21,7 @@ from hetero_infer.moe import (
     route,
     sort_by_expert,
 )
+from hetero_infer.moe_kernels import align_block_size  # the kernel's input layout
 
 torch.set_num_threads(1)  # pinned: 2 shared cores
 transformers = pytest.importorskip("transformers")
