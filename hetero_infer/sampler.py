@@ -86,9 +86,8 @@ def apply_logit_bias(
     if max(toks) >= V:
         raise ValueError(f"logit_bias: token id {max(toks)} is outside the vocabulary (size {V})")
     vals = [v for b in biases if b for v in b.values()]
-    dev = logits.device
-    idx = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
-    bias = torch.tensor(vals, dtype=logits.dtype, device=dev)
+    idx = (logits.new_tensor(rows, dtype=torch.long), logits.new_tensor(toks, dtype=torch.long))
+    bias = logits.new_tensor(vals)  # the logits' dtype and device
     return logits.index_put(idx, bias, accumulate=True)  # x[row, tok] + bias
 
 
@@ -194,9 +193,9 @@ def token_logprobs(
 
 
 # %% ../nbs/06_sampler.ipynb #4b9b8403
-def _col(vals, device, dtype=torch.float32) -> torch.Tensor:
-    "A per-row parameter as a column tensor on `device`."
-    return torch.tensor(vals, dtype=dtype, device=device)
+def _col(x: torch.Tensor, vals, dtype=torch.float32) -> torch.Tensor:
+    "A per-row parameter as a tensor on the device of `x`."
+    return x.new_tensor(vals, dtype=dtype)
 
 
 class Sampler:
@@ -235,9 +234,9 @@ class Sampler:
             pc = self.penalty_counts = PenaltyCounts(x.shape[-1], x.device)
         # O(new tokens) to update, O(pairs) to list
         rows, toks, counts = pc.pairs(pc.update([seqs[i] for i in pen]))
-        rows = _col(pen, x.device, torch.long)[rows]  # back to batch rows
+        rows = _col(x, pen, torch.long)[rows]  # back to batch rows
         pres, freq, rep = (
-            _col([getattr(p, f"{k}_penalty") for p in ps], x.device)
+            _col(x, [getattr(p, f"{k}_penalty") for p in ps])
             for k in ("presence", "frequency", "repetition")
         )
         return apply_penalties(x, rows, toks, counts, pres, freq, rep)
@@ -250,8 +249,8 @@ class Sampler:
         bans = [[t for t in _banned_ids(s, self.eos_token_ids) if t < V] for s in seqs]
         if any(bans):  # after the penalties is the same: they keep -inf at -inf
             x = x.clone() if x is logits else x
-            rows = _col([i for i, b in enumerate(bans) for _ in b], x.device, torch.long)
-            x[rows, _col([t for b in bans for t in b], x.device, torch.long)] = float("-inf")
+            rows = _col(x, [i for i, b in enumerate(bans) for _ in b], torch.long)
+            x[rows, _col(x, [t for b in bans for t in b], torch.long)] = float("-inf")
         return x
 
     def sample_random(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -260,17 +259,16 @@ class Sampler:
         ps, dev = [s.params for s in seqs], x.device
         probs = sampling_probs(
             x,
-            _col([p.temperature for p in ps], dev),
-            _col([min(p.top_k, V) if p.top_k > 0 else V for p in ps], dev, torch.long),
-            _col([p.top_p for p in ps], dev),
-            _col([p.min_p for p in ps], dev),
+            _col(x, [p.temperature for p in ps]),
+            _col(x, [min(p.top_k, V) if p.top_k > 0 else V for p in ps], torch.long),
+            _col(x, [p.top_p for p in ps]),
+            _col(x, [p.min_p for p in ps]),
         )
-        noise = torch.empty(R, V, device=dev)
+        noise = x.new_empty(R, V)
         shared = [i for i, p in enumerate(ps) if p.seed is None]
         if shared:
-            exp1 = torch.empty(len(shared), V, device=dev)
-            exp1.exponential_(generator=self.generator(dev))
-            noise[_col(shared, dev, torch.long)] = exp1
+            exp1 = x.new_empty(len(shared), V).exponential_(generator=self.generator(dev))
+            noise[_col(x, shared, torch.long)] = exp1
         for i, s in enumerate(seqs):
             if s.params.seed is not None:
                 noise[i] = _row_noise(s, V, dev, None)
@@ -287,9 +285,9 @@ class Sampler:
             tokens = torch.empty(len(seqs), dtype=torch.long, device=x.device)
             greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
             if greedy:
-                g = _col(greedy, x.device, torch.long)
+                g = _col(x, greedy, torch.long)
                 tokens[g] = x[g].argmax(-1)
-            r = _col(rand, x.device, torch.long)
+            r = _col(x, rand, torch.long)
             tokens[r] = self.sample_random(x[r], [seqs[i] for i in rand])
         num_top = [s.params.logprobs for s in seqs]
         # logprobs of the raw logits, before bias and penalties (vLLM's "raw_logprobs")
