@@ -12,8 +12,8 @@ from hetero_infer.core import (
     CompletionOutput,
     RequestOutput,
     QueueFullError,
-    is_hpi_format,
 )
+from hetero_infer.hpi_config import is_hpi_format
 
 # The example config.json of hetero-paged-infer, byte for byte as in issue 10.
 HPI_EXAMPLE = (

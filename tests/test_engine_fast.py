@@ -22,12 +22,10 @@ from hetero_infer.engine import (
     LLM,
     LLMEngine,
     EngineStepError,
-    IncrementalDetokenizer,
     as_prompt_list,
     engine_kwargs,
-    find_stop_string,
-    load_tokenizer,
 )
+from hetero_infer.tokenization import IncrementalDetokenizer, find_stop_string, load_tokenizer
 from hetero_infer.testing import tiny_hf_checkpoint
 
 CPU = dict(device="cpu", dtype="float32")
