@@ -132,11 +132,12 @@ def moe_loop(
     down: torch.Tensor,  # (E, H, I)
     weights: torch.Tensor,  # (T, k) routing weights
     ids: torch.Tensor,  # (T, k) expert ids
+    first_expert: int = 0,  # global id of gate_up[0]; other experts' pairs are skipped (EP)
 ) -> torch.Tensor:  # (T, H)
     "The naive MoE: for each of the E experts, find its tokens, run it, add the weighted result."
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
-        tok, slot = torch.where(ids == e)  # the pairs routed to expert e
+        tok, slot = torch.where(ids == first_expert + e)  # the pairs routed to expert e
         if tok.numel() == 0:
             continue
         y = expert_mlp(x[tok], gate_up[e], down[e]) * weights[tok, slot, None]
@@ -147,12 +148,20 @@ def moe_loop(
 # %% ../nbs/16_mixture_of_experts.ipynb #90ac11bb
 def sort_by_expert(
     ids: torch.Tensor,  # (T, k) expert ids
-    num_experts: int,
-) -> tuple[torch.Tensor, list[int]]:  # pair order (T*k,), pairs per expert (E,)
+    num_experts: int,  # experts held: first_expert ... first_expert + num_experts - 1
+    first_expert: int = 0,
+) -> tuple[torch.Tensor, list[int]]:  # pair order (<= T*k,), pairs per expert (E,)
     "Token–expert pairs sorted by expert (pair `p` is token `p // k`, slot `p % k`), and counts."
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pair ids, grouped by expert
-    return order, torch.bincount(flat, minlength=num_experts).tolist()
+    flat = _local_ids(ids, num_experts, first_expert)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    order = torch.argsort(flat, stable=True)  # pair ids, grouped by expert, others' last
+    return order[: sum(counts)], counts
+
+
+def _local_ids(ids, num_experts: int, first_expert: int) -> torch.Tensor:  # (T*k,)
+    "Expert ids relative to the held slice; `num_experts` for a pair of an expert not held."
+    local = ids.reshape(-1) - first_expert
+    return torch.where((local >= 0) & (local < num_experts), local, num_experts)
 
 
 def moe_grouped(
@@ -161,11 +170,12 @@ def moe_grouped(
     down: torch.Tensor,  # (E, H, I)
     weights: torch.Tensor,  # (T, k)
     ids: torch.Tensor,  # (T, k)
+    first_expert: int = 0,  # global id of gate_up[0]; other experts' pairs are skipped (EP)
 ) -> torch.Tensor:  # (T, H)
     "MoE with the pairs sorted by expert: one matmul per expert that has tokens (the CPU path)."
-    order, counts = sort_by_expert(ids, gate_up.shape[0])
-    tok = order // ids.shape[1]  # (T*k,) the token of each sorted pair
-    xs = x[tok]  # (T*k, H) rows grouped by expert
+    order, counts = sort_by_expert(ids, gate_up.shape[0], first_expert)
+    tok = order // ids.shape[1]  # (n,) the token of each sorted pair
+    xs = x[tok]  # (n, H) rows grouped by expert
     ys = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts):
@@ -298,14 +308,20 @@ class _SharedExpert(nn.Module):
 class MoEBlock(nn.Module):
     "A sparse MoE feed-forward block: top-k router, routed experts, optional shared expert."
 
-    def __init__(self, cfg: MoEConfig, method: str = "auto"):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        method: str = "auto",  # one of MOE_METHODS
+        experts: range | None = None,  # the experts held (expert parallelism); None = all
+    ):
         super().__init__()
         if method not in MOE_METHODS:
             raise ValueError(f"method must be one of {MOE_METHODS}, got {method!r}")
         self.cfg, self.method = cfg, method
+        self.held = range(cfg.num_experts) if experts is None else experts
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-        self.gate = nn.Linear(H, E, bias=False)
-        self.experts = _Experts(E, H, I)
+        self.gate = nn.Linear(H, E, bias=False)  # the router sees every expert
+        self.experts = _Experts(len(self.held), H, I)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = _SharedExpert(H, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(H, 1, bias=False)
@@ -320,26 +336,27 @@ class MoEBlock(nn.Module):
         method = method or self.method
         if method == "auto":
             method = "triton" if x.is_cuda else "grouped"
-        gu, dn = self.experts.gate_up_proj, self.experts.down_proj
+        gu, dn, first = self.experts.gate_up_proj, self.experts.down_proj, self.held.start
         if method == "triton":
             from hetero_infer.moe_kernels import fused_moe
 
-            return fused_moe(x, gu, dn, weights, ids)
-        return (moe_loop if method == "loop" else moe_grouped)(x, gu, dn, weights, ids)
+            return fused_moe(x, gu, dn, weights, ids, first_expert=first)
+        run = moe_loop if method == "loop" else moe_grouped
+        return run(x, gu, dn, weights, ids, first_expert=first)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         "Route each token, run its experts, add the shared expert if the family has one."
         weights, ids = self.route(x)
         out = self.run_experts(x, weights, ids)
-        if self.cfg.shared_expert_intermediate_size:
+        if self.cfg.shared_expert_intermediate_size and self.held.start == 0:  # once under EP
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     @classmethod
-    def from_checkpoint(cls, tensors, prefix: str, cfg: MoEConfig, method: str = "auto"):
-        "A block with one layer's weights read by `load_moe_weights` (either layout)."
-        state = load_moe_weights(tensors, prefix, cfg)
+    def from_checkpoint(cls, tensors, prefix: str, cfg: MoEConfig, method="auto", experts=None):
+        "A block with one layer's weights (all experts or a slice) read by `load_moe_weights`."
+        state = load_moe_weights(tensors, prefix, cfg, experts)
         with torch.device("meta"):
-            block = cls(cfg, method)
+            block = cls(cfg, method, experts)
         block.load_state_dict(state, assign=True)
         return block

@@ -17,15 +17,18 @@ def align_block_size(
     ids: torch.Tensor,  # (T, k) expert ids
     num_experts: int,
     block_m: int,  # rows per block of the grouped GEMM
+    first_expert: int = 0,  # global id of expert 0 of the held slice (expert parallelism)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # sorted pair ids (B*block_m,), block's expert (B,)
     "Pair ids sorted by expert, each expert's run padded to a multiple of `block_m` with `T*k`."
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    n = ids.numel()
+    local = ids.reshape(-1) - first_expert
+    flat = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # E: not held
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]  # (E,)
     padded = (counts + block_m - 1) // block_m * block_m  # (E,) rows each expert's run takes
-    order = torch.argsort(flat, stable=True)  # (n,) pair ids by expert
+    order = torch.argsort(flat, stable=True)[: int(counts.sum())]  # held pairs by expert
     e_sorted = flat[order]
-    rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+    rank = torch.arange(order.numel(), device=flat.device)
+    rank = rank - (torch.cumsum(counts, 0) - counts)[e_sorted]  # place within its expert's run
     dest = (torch.cumsum(padded, 0) - padded)[e_sorted] + rank  # row of each pair
     sorted_ids = torch.full((int(padded.sum()),), n, dtype=torch.int32, device=flat.device)
     sorted_ids[dest] = order.to(torch.int32)
@@ -105,6 +108,7 @@ def fused_moe(
     weights: torch.Tensor,  # (T, k) routing weights
     ids: torch.Tensor,  # (T, k) expert ids
     tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K); None: chosen
+    first_expert: int = 0,  # global id of gate_up[0]; other experts' pairs are skipped (EP)
 ) -> torch.Tensor:  # (T, H)
     "MoE in two launches of the fused kernel: gate_up + SiLU-and-mul, then down x routing weight."
     T, H = x.shape
@@ -112,10 +116,10 @@ def fused_moe(
     k, n = ids.shape[1], ids.numel()
     bm, bn, bk = tiles or fused_moe_tiles(n, E, x.dtype)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
-    sorted_ids, block_expert = align_block_size(ids, E, bm)
+    sorted_ids, block_expert = align_block_size(ids, E, bm, first_expert)
     w = weights.reshape(-1).float().contiguous()  # Qwen's are in the model dtype
     act = x.new_empty(n, I2 // 2)  # (T*k, I)
-    out = x.new_empty(n, H)  # (T*k, H)
+    out = x.new_zeros(n, H)  # (T*k, H); rows of pairs not held stay zero
     blocks = block_expert.numel()
     for a, b, c, gated in ((x, gate_up, act, True), (act, down, out, False)):
         N = c.shape[1]

@@ -248,3 +248,38 @@ def test_config_and_layer_rules():
     c = MoEConfig.from_hf(cfgs["qwen2_moe"])
     names = moe_checkpoint_names("m.", c, fused=False, experts=range(1))
     assert names[-1] == "m.shared_expert_gate.weight" and len(names) == 1 + 3 + 4
+
+
+@pytest.mark.parametrize("family,ep", [("qwen3_moe", 2), ("mixtral", 3), ("qwen2_moe", 4)])
+@pytest.mark.parametrize("method", ["loop", "grouped", "triton"])
+def test_expert_parallel_partial_sums(family, ep, method, saved):
+    "Each rank runs only its experts' pairs; the ranks' outputs sum to the layer (shared once)."
+    model, tensors = saved[family]
+    cfg = MoEConfig.from_hf(model.config)
+    prefix = moe_prefix(tensors, 0)
+    x = torch.randn(23, 64, generator=torch.Generator().manual_seed(3))
+    parts = []
+    for r in range(ep):
+        held = expert_shard(cfg.num_experts, ep, r)
+        block = MoEBlock.from_checkpoint(tensors, prefix, cfg, method, experts=held)
+        assert block.experts.gate_up_proj.shape[0] == len(held)
+        with torch.no_grad():
+            parts.append(block(x))
+    with torch.no_grad():
+        want = model.model.layers[0].mlp(x[None])[0]
+    torch.testing.assert_close(sum(parts), want, atol=1e-5, rtol=1e-5)
+
+
+def test_held_slice_skips_other_experts():
+    x, gu, dn, w, ids = _random_moe(9, 8, 3, seed=4)
+    full = moe_loop(x, gu, dn, w, ids)
+    halves = [moe_grouped(x, gu[s], dn[s], w, ids, first_expert=s.start) for s in
+              (slice(0, 5), slice(5, 8))]  # fmt: skip
+    torch.testing.assert_close(halves[0] + halves[1], full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe_loop(x, gu[5:], dn[5:], w, ids, first_expert=5), halves[1])
+    order, counts = sort_by_expert(ids, 3, first_expert=5)
+    assert len(order) == sum(counts) == int((ids >= 5).sum())
+    s, be = align_block_size(ids, 3, 4, first_expert=5)
+    assert sorted(s[s < ids.numel()].tolist()) == sorted(
+        torch.where(ids.reshape(-1) >= 5)[0].tolist()
+    )
