@@ -10,6 +10,7 @@ __all__ = []
 # The public API at the package root, as in vLLM: `from hetero_infer import LLM, SamplingParams`.
 from .core import EngineConfig, SamplingParams, RequestOutput, CompletionOutput  # noqa: E402, F401
 from .engine import LLM, LLMEngine  # noqa: E402, F401
+from .structured_outputs import StructuredOutputsParams  # noqa: E402, F401
 
 # speculative decoding (12) and tensor parallelism (13) register themselves with the engine
 from . import speculative as _speculative, parallel as _parallel  # noqa: E402, F401

@@ -162,6 +162,8 @@ class EngineConfig:
     speculative_model: str | None = None  # the draft checkpoint (speculative_method="draft")
     prompt_lookup_min: int = 1  # shortest n-gram the ngram proposer matches
     prompt_lookup_max: int = 3  # longest n-gram it tries first
+    quantization: str | None = None  # None, "int8" or "w8a8": linear weights at load (15)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8": the paged cache (15)
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self):
@@ -271,6 +273,22 @@ class EngineConfig:
                 f"must be a bool, got {getattr(self, name)!r}",
             )
         _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        from hetero_infer.quantization import KV_CACHE_DTYPES, check_quantization
+
+        check_quantization(self.quantization)
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        from hetero_infer.quantization import KV_CACHE_DTYPES, check_quantization
+
+        check_quantization(self.quantization)
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
 
     def _check_speculative(self):
         "The speculative-decoding fields agree with each other."

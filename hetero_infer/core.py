@@ -7,8 +7,10 @@ from __future__ import annotations
 import enum
 import importlib.util
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from .structured_outputs import StructuredOutputsParams
 
 # the engine's configuration (config.py, exported from this notebook), re-exported: core is
 # where every other module finds the shared facts
@@ -44,6 +46,21 @@ __all__ = [
 
 # %% ../nbs/00_core.ipynb #bae385cc
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for per token (OpenAI's limit)
+
+
+def _structured_outputs(value) -> StructuredOutputsParams | None:
+    "`structured_outputs` checked: None, a StructuredOutputsParams, or a dict of its fields."
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    _check(
+        isinstance(value, dict),
+        "structured_outputs",
+        f"must be a StructuredOutputsParams or a dict of its fields, got {value!r}",
+    )
+    known = {f.name for f in fields(StructuredOutputsParams)}
+    unknown = sorted(set(value) - known)
+    _check(not unknown, "structured_outputs", f"unknown field(s) {unknown}; known: {sorted(known)}")
+    return StructuredOutputsParams(**value)
 
 
 def _logit_bias(bias) -> dict[int, float] | None:
@@ -97,6 +114,9 @@ class SamplingParams:
     detokenize: bool = True
     # token id -> bias in [-100, 100], added to the raw logits before anything else (OpenAI's)
     logit_bias: dict[int, float] | None = None
+    # a JSON schema, regex, choice or grammar the output must follow (14_structured_outputs);
+    # a dict of StructuredOutputsParams' fields is accepted too
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,6 +124,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _logit_bias(self.logit_bias)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate()
         if self.greedy:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
