@@ -23,6 +23,15 @@ from hetero_infer.openai_protocol import (
     error_from,
     sampling_params,
 )
+from hetero_infer.openai_structured import (
+    ToolCallStream,
+    chat_message,
+    merge_deltas,
+    request_structure,
+    template_messages,
+    tool_call_format,
+    with_structure,
+)
 from .tokenization import check_text, render_chat
 
 # %% auto #0
@@ -61,9 +70,9 @@ def _template_kwargs(tokenizer, kwargs: dict | None) -> dict | None:
     return kwargs
 
 
-def _chat_ids(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    "Token ids of a conversation through the model's chat template (on the worker thread)."
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+def _chat_ids(tokenizer, req: ChatCompletionRequest, tools=None) -> list[int]:
+    "Token ids of a conversation (and its `tools`) through the model's chat template."
+    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
     for i, m in enumerate(messages):
         if "name" in m:
             check_text(m["name"], f"messages[{i}].name")
@@ -74,6 +83,7 @@ def _chat_ids(tokenizer, req: ChatCompletionRequest) -> list[int]:
             messages,
             add_generation_prompt=req.add_generation_prompt,
             chat_template_kwargs=kwargs,
+            tools=tools,
         )
     except ValueError:
         raise
@@ -130,9 +140,11 @@ class OpenAIHandlers:
         name: str,  # the model name clients send
         request_timeout: float | None,  # seconds before a request is aborted (504)
         defaults: dict | None,  # SamplingParams fields used when a request leaves them out
+        tool_call_parser: str | None = None,  # "hermes", "llama3_json"; None: from the template
     ):
         self.aeng, self.name, self.timeout = aeng, name, request_timeout
         self.defaults = dict(defaults or {})
+        self.tool_call_parser = tool_call_format(None, tool_call_parser)
 
     def check_model(self, model: str | None) -> None:
         "503 while the model loads; 404 for a model this server does not serve."
@@ -205,7 +217,8 @@ class OpenAIHandlers:
         if req.echo and req.logprobs is not None:
             msg = "echo with logprobs is not supported: the engine computes no prompt logprobs"
             raise APIError(400, msg, param="echo")
-        params = self.params(req, req.max_tokens, req.logprobs, 16)
+        so = request_structure(req).params
+        params = with_structure(self.params(req, req.max_tokens, req.logprobs, 16), so)
         tok = self.aeng.tokenizer
         ids = [await self.encode(_encode, tok, p) for p in prompts]
         for x in ids:
@@ -282,33 +295,42 @@ class OpenAIHandlers:
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens
         max_tokens = req.max_tokens if max_tokens is None else max_tokens
-        params = self.params(req, max_tokens, k, None)
-        ids = await self.encode(_chat_ids, self.aeng.tokenizer, req)
+        so = request_structure(req)
+        params = with_structure(self.params(req, max_tokens, k, None), so.params)
+        ids = await self.encode(_chat_ids, self.aeng.tokenizer, req, so.tools)
         check_length(len(ids), params, self.aeng.max_model_len, "messages")
         rids = await self.admit([ids], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = _head("chat.completion", rid, int(time.time()), self.name)
         if req.stream:
             chunk = {**head, "object": "chat.completion.chunk"}
-            return self.sse(self.chat_events(req, params, rids, ids, chunk))
+            return self.sse(self.chat_events(req, params, rids, ids, chunk, so.tool_choice))
         finals = await self.collect(rids, raw)
         if finals is None:
             return None
         _raise_failed(finals[0])
-        tok, choices = self.aeng.tokenizer, []
+        tok, choices, fmt = self.aeng.tokenizer, [], self.tool_format(so.tool_choice)
         for c in finals[0].outputs:
             lp = chat_logprobs(c.token_ids, c.logprobs or [], k, tok) if k is not None else None
-            message = {"role": "assistant", "content": c.text}
+            message, reason = chat_message(c.text, c.finish_reason, so.tool_choice, fmt)
             choice = {"index": c.index, "message": message, "logprobs": lp}
-            choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            choice.update(finish_reason=reason, stop_reason=c.stop_reason)
             choices.append(choice)
         return {**head, "choices": choices, "usage": _usage([ids], finals)}
 
-    async def chat_events(self, req, params, rids, ids, head):
-        "SSE events of a streamed chat: the role, content deltas, the finish reason, [DONE]."
+    def tool_format(self, tool_choice: str) -> str | None:
+        "The tool-call format to parse for `tool_choice` 'auto' (None: no parsing)."
+        if tool_choice != "auto":
+            return None
+        return self.tool_call_parser or tool_call_format(self.aeng.tokenizer)
+
+    async def chat_events(self, req, params, rids, ids, head, tool_choice="none"):
+        "SSE events of a streamed chat: the role, content or tool-call deltas, the finish, [DONE]."
         usage = req.stream_options is not None and req.stream_options.include_usage
         extra = {"usage": None} if usage else {}
         k = (req.top_logprobs or 0) if req.logprobs else None
+        fmt = self.tool_format(tool_choice)
+        calls = [ToolCallStream(tool_choice, fmt) for _ in range(params.n)]
         for j in range(params.n):
             delta = {"role": "assistant", "content": ""}
             choice = {"index": j, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -333,9 +355,12 @@ class OpenAIHandlers:
                     sent[c.index] = (len(c.text), len(c.token_ids))
                     if c.finish_reason is not None:
                         done.add(c.index)
-                    delta = {"content": text} if text else {}
+                    delta, reason = calls[c.index].feed(text), c.finish_reason
+                    if reason is not None:
+                        last, reason = calls[c.index].finish(reason)
+                        delta = merge_deltas([delta, last])
                     choice = {"index": c.index, "delta": delta, "logprobs": lp}
-                    choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    choice.update(finish_reason=reason, stop_reason=c.stop_reason)
                     yield _sse({**head, "choices": [choice], **extra})
             if usage:
                 yield _sse({**head, "choices": [], "usage": _usage([ids], [final])})

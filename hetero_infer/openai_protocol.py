@@ -63,17 +63,9 @@ class APIError(Exception):
 
 
 # %% ../nbs/09_server.ipynb #96f2a17d
-_STRUCTURED = "structured outputs are not supported yet"
 # field -> (why it is refused, the values besides null that ask for nothing)
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple]] = {
-    "response_format": (_STRUCTURED, ()),
-    "guided_json": (_STRUCTURED, ()),
-    "guided_regex": (_STRUCTURED, ()),
-    "guided_choice": (_STRUCTURED, ()),
-    "guided_grammar": (_STRUCTURED, ()),
-    "structural_tag": (_STRUCTURED, ()),
-    "tools": ("tool calling is not supported yet", ()),
-    "tool_choice": ("tool calling is not supported yet", ("none",)),
+    "structural_tag": ("structural tags are not supported (use structured_outputs)", ()),
     "functions": ("function calling is not supported", ()),
     "function_call": ("function calling is not supported", ("none",)),
     "use_beam_search": ("beam search is not supported", (False,)),
@@ -95,6 +87,8 @@ COMPLETION_UNSUPPORTED = {
     **UNSUPPORTED_FIELDS,
     "suffix": ("text after the completion (insertion) is not supported", ()),
     "add_special_tokens": ("prompts always get the tokenizer's special tokens", (True,)),
+    "tools": ("tools belong to chat completions", ()),
+    "tool_choice": ("tools belong to chat completions", ("none",)),
 }
 CHAT_UNSUPPORTED = {
     **UNSUPPORTED_FIELDS,
@@ -154,6 +148,10 @@ class SamplingFields(OpenAIBody):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # advisory (OpenAI: an end-user id for abuse monitoring): ignored
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", ...} (14_structured_outputs)
+    response_format: Optional[dict[str, Any]] = None
+    # vLLM's extra body: {json | regex | choice | grammar | json_object}
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def refuse_unsupported(self) -> None:
         "The endpoint's refusals, then `stream_options`' (which needs `stream: true`)."
@@ -178,9 +176,10 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: Union[StrictStr, list[dict[str, Any]]]
+    content: Union[StrictStr, list[dict[str, Any]], None] = None  # None: an assistant's calls
     name: Optional[str] = None
     tool_call_id: Optional[str] = None  # a `tool` message answers this call
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -194,6 +193,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's turn
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: extra template variables
+    tools: Optional[list[Any]] = None  # OpenAI function tools (checked by validate_tools)
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None  # none, auto, required, or named
+    parallel_tool_calls: Optional[bool] = None  # False: at most one call
 
 
 # %% ../nbs/09_server.ipynb #a611f667
@@ -206,6 +208,10 @@ _FIELDS = set(SamplingParams.__dataclass_fields__) | {
     "logit_bias",
     "best_of",
     "chat_template_kwargs",
+    "response_format",
+    "structured_outputs",
+    "tools",
+    "tool_choice",
 }
 # an engine limit the scheduler names when it refuses a request -> the field that asked too much
 _LIMIT_PARAMS = {

@@ -1039,17 +1039,25 @@ CHAT = [{"role": "user", "content": "reverse: a b c"}]
 
 
 def test_unimplemented_fields_are_refused_by_name(server, client):
-    "OpenAI/vLLM fields the server does not implement: a 400 naming each, never an ignoring 200."
+    """OpenAI/vLLM fields the server does not implement, and malformed structured-output and tool
+    fields: a 400 naming each, never an ignoring 200."""
     for path, body, param in (
         ("/v1/completions", {"prompt": P, "suffix": "!"}, "suffix"),
         ("/v1/completions", {"prompt": P, "best_of": 2}, "best_of"),
         ("/v1/completions", {"prompt": P, "prompt_logprobs": 1}, "prompt_logprobs"),
-        ("/v1/completions", {"prompt": P, "guided_json": {}}, "guided_json"),
+        ("/v1/completions", {"prompt": P, "guided_json": {"type": "nope"}}, "guided_json"),
+        ("/v1/completions", {"prompt": P, "tools": [], "tool_choice": "auto"}, "tools"),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "response_format": {"type": "json_object"}},
-            "response_format",
+            {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
         ),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "structured_outputs": {"regex": "(", "choice": ["a"]}},
+            "structured_outputs",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "structural_tag": "x"}, "structural_tag"),
         ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True}, "use_beam_search"),
