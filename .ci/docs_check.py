@@ -1,10 +1,12 @@
 """Render every notebook to HTML with nbconvert (no Quarto) and fail on any error.
 
-Fails when a notebook does not convert, holds an error output, refers in its markdown to an image file that does not
-exist (relative to nbs/), or is missing from the docs sidebar. Images the notebooks refer to are copied beside the HTML,
-so the rendered pages show them."""
+Fails when a notebook does not convert, holds an error output, refers in its markdown to an image
+file that does not exist (relative to nbs/), or is missing from the docs sidebar. Images the
+notebooks refer to are copied beside the HTML, so the rendered pages show them."""
 
-import re, shutil, sys
+import re
+import shutil
+import sys
 from pathlib import Path
 import nbformat
 from nbconvert import HTMLExporter
@@ -13,7 +15,8 @@ root = Path(__file__).resolve().parent.parent
 out = root / "_site_check"
 out.mkdir(exist_ok=True)
 
-# a markdown image or an HTML <img> with a local target (not a URL, data: or attachment:, nor an anchor)
+# a markdown image or an HTML <img> with a local target (not a URL, data: or attachment:, nor an
+# anchor)
 _IMAGES = [
     re.compile(r"!\[[^\]]*\]\(\s*(?:<([^>]+)>|([^)\s]+))"),
     re.compile(r"""<img\b[^>]*?\bsrc=["']([^"']+)""", re.I),
@@ -63,7 +66,7 @@ for p in sorted((root / "nbs").glob("*.ipynb")):
         problems.append(f"{p.name}: {type(e).__name__}: {e}")
 
 sys.path.insert(0, str(root / "tests"))
-from test_project import sidebar_problems
+from test_project import sidebar_problems  # noqa: E402
 
 problems += sidebar_problems()
 if problems:

@@ -1,8 +1,10 @@
-"""Write README.md from nbs/index.ipynb with nbconvert (Quarto, which nbdev_readme needs, is not available).
+"""Write README.md from nbs/index.ipynb with nbconvert (Quarto, which nbdev_readme needs, is not
+available).
 
 `--check` fails when README.md is not what the notebook gives."""
 
-import re, sys
+import re
+import sys
 from pathlib import Path
 import nbformat
 from nbconvert import MarkdownExporter
@@ -14,7 +16,8 @@ def _hidden(src: str) -> bool:
     return bool(re.search(r"^#\|\s*(hide|exporti?|exec_doc:\s*false)\b", src, re.M))
 
 
-# a markdown image or an HTML <img> whose target is relative to nbs/ (not a URL, an absolute path, data: or an anchor)
+# a markdown image or an HTML <img> whose target is relative to nbs/ (not a URL, an absolute path,
+# data: or an anchor)
 _MD_IMAGE = re.compile(r"(!\[[^\]]*\]\()(?!(?:[a-z][a-z0-9+.-]*:|/|#))([^)\s]+)")
 _HTML_IMAGE = re.compile(
     r"""(<img\b[^>]*?\bsrc=["'])(?!(?:[a-z][a-z0-9+.-]*:|/|#))([^"']+)""", re.I
@@ -22,7 +25,8 @@ _HTML_IMAGE = re.compile(
 
 
 def repo_relative_images(markdown: str, folder: str = "nbs") -> str:
-    "Point image links relative to the notebook's folder at `folder/...`, so they resolve from the repository root (GitHub)."
+    """Point image links relative to the notebook's folder at `folder/...`, so they resolve from the
+    repository root (GitHub)."""
     fix = lambda m: m.group(1) + f"{folder}/" + m.group(2)
     return _HTML_IMAGE.sub(fix, _MD_IMAGE.sub(fix, markdown))
 
@@ -44,8 +48,8 @@ def render() -> str:
     ).from_notebook_node(nb)
     body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
     return (
-        "<!-- Generated from nbs/index.ipynb by `make readme`: edit the notebook, not this file. -->\n\n"
-        + body
+        "<!-- Generated from nbs/index.ipynb by `make readme`: "
+        "edit the notebook, not this file. -->\n\n" + body
     )
 
 
