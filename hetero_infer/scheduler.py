@@ -5,81 +5,19 @@
 # %% ../nbs/02_scheduler.ipynb #c8e5e10a
 from __future__ import annotations
 import bisect
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from .core import EngineConfig, QueueFullError, Sequence, SequenceStatus
+from collections import deque
+from .core import EngineConfig, Sequence, SequenceStatus
 from .block_manager import BlockManager, NoFreeBlocksError
+from .scheduler_output import ScheduledSeq, SchedulerOutput, SchedulerStats
+from .admission import AdmissionControl
 
 # %% auto #0
-__all__ = ["ScheduledSeq", "SchedulerOutput", "SchedulerStats", "Scheduler"]
+__all__ = ["Scheduler"]
 
-# %% ../nbs/02_scheduler.ipynb #b68eb2f2
+# %% ../nbs/02_scheduler.ipynb #f2ec4857
 _WAITING, _RUNNING = SequenceStatus.WAITING, SequenceStatus.RUNNING
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step: how many of its tokens run, and the cache slots their KV goes
-    to."""
-
-    seq: Sequence
-    num_tokens: int  # tokens computed this step: 1 for a decode, a chunk for a prefill
-    slot_mapping: list[int]  # (num_tokens,) cache slot of each of those tokens
-    # logits rows the runner returns for this entry: those of its last `num_logits` tokens.
-    # None: 1 when the chunk reaches the sequence's end (it samples), else 0. Speculative
-    # decoding (12) raises it to k + 1 for a sequence verifying k proposals.
-    num_logits: int | None = None
-
-    def __post_init__(self):
-        if self.num_logits is None:
-            self.num_logits = 1 if self.samples else 0
-
-    @property
-    def samples(self) -> bool:
-        "Whether this step reaches the sequence's last token (read before `update`)."
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step runs: sequences (decodes first, then prefill chunks), block copies, and who was
-    preempted."""
-
-    scheduled: list[ScheduledSeq] = field(
-        default_factory=list
-    )  # decodes (num_tokens == 1) first, then prefill chunks
-    block_copies: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (src, dst) copy-on-write copies to do before the step
-    preempted: list[Sequence] = field(
-        default_factory=list
-    )  # sent back to waiting this step (recompute)
-    num_batched_tokens: int = 0  # sum of num_tokens over `scheduled`
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_tokens == 1)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    "Counters of one `Scheduler`."
-
-    steps: int = 0  # schedule() calls that scheduled something
-    admitted: int = 0  # sequences moved from waiting to running (re-admissions count again)
-    preemptions: int = 0  # sequences preempted by recompute
-    finished: int = 0  # sequences finished by the engine (stop or length)
-    aborted: int = 0  # sequences aborted
-    rejected: int = 0  # requests refused at `add` because they could never fit
-    prefill_tokens: int = 0  # tokens scheduled in prefill chunks
-    decode_tokens: int = 0  # tokens scheduled as decodes
-
-
-# %% ../nbs/02_scheduler.ipynb #f2ec4857
 class Scheduler:
     """Continuous batching: which sequences run each step and how many tokens each, under the token
     and memory budgets."""
@@ -103,10 +41,7 @@ class Scheduler:
         self._last_out: SchedulerOutput | None = (
             None  # the latest schedule() result, until update() commits it
         )
-        self._members: Counter[str] = Counter()  # request_id -> its sequences waiting or running
-        self._forks_due: dict[
-            str, int
-        ] = {}  # request_id -> forks it will still make (seats reserved for them)
+        self.admission = AdmissionControl(config, block_manager)  # refusals, seats, members
 
     def __repr__(self):
         n, m, u = len(self.waiting), len(self.running), self.block_manager.usage()
@@ -115,88 +50,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _max_kv_tokens(self, seq: Sequence) -> int:
-        """The most positions whose KV `seq` will ever hold: its tokens now, or prompt + max_tokens
-        - 1 (capped by max_model_len)."""
-        cap, mt = self.config.max_model_len, seq.params.max_tokens
-        final = seq.num_prompt_tokens + mt if mt is not None else (cap or len(seq.token_ids))
-        if cap is not None:
-            final = min(final, cap)
-        return max(len(seq.token_ids), final - 1)
-
-    def _max_blocks(self, seq: Sequence) -> int:
-        """Blocks a request holds at its longest: the prompt's full blocks once (shared by its n
-        forks) plus each fork's own."""
-        n, bs = max(seq.params.n, 1), self.block_manager.block_size
-        per_seq, shared = (
-            -(-self._max_kv_tokens(seq) // bs),
-            (seq.num_prompt_tokens // bs if n > 1 else 0),
-        )
-        return shared + n * (per_seq - shared)
-
     def num_admitted(self) -> int:
         """Sequences admitted now (running + waiting); a request not forked yet counts its n
         completions."""
-        return len(self.waiting) + len(self.running) + sum(self._forks_due.values())
-
-    def _leave(self, seq: Sequence):
-        """Bookkeeping of a sequence leaving for good: its request's seats go when its last sequence
-        goes."""
-        rid = seq.request_id
-        self._members[rid] -= 1
-        if not self._members[rid]:
-            del self._members[rid]
-            self._forks_due.pop(rid, None)
+        return len(self.waiting) + len(self.running) + self.admission.seats_held()
 
     def add(self, seq: Sequence):
         """Queue a new sequence behind those of equal or lower `priority` value; refuse at once one
         that could never fit."""
-        cfg, bm, rid = self.config, self.block_manager, seq.request_id
-        n, kv = max(seq.params.n, 1), self._max_kv_tokens(seq)
-        blocks, err = self._max_blocks(seq), None
-        if cfg.max_model_len is not None and len(seq.token_ids) > cfg.max_model_len:
-            err = (
-                f"max_model_len: request {rid!r} has {len(seq.token_ids)} tokens, more than "
-                f"max_model_len={cfg.max_model_len}"
-            )
-        elif n > cfg.max_num_seqs:
-            err = (
-                f"max_num_seqs: request {rid!r} asks for n={n} completions, more than "
-                f"max_num_seqs={cfg.max_num_seqs} run at once"
-            )
-        elif cfg.max_admitted_seqs is not None and n > cfg.max_admitted_seqs:
-            err = (
-                f"max_admitted_seqs: request {rid!r} asks for n={n} completions, more than "
-                f"max_admitted_seqs={cfg.max_admitted_seqs}"
-            )
-        elif blocks > bm.num_blocks:
-            err = (
-                f"num_blocks: request {rid!r} may need {blocks} KV blocks ({kv} tokens of KV for "
-                f"each of n={n} completions, "
-                f"sharing {seq.num_prompt_tokens // bm.block_size if n > 1 else 0} full prompt "
-                f"blocks), more than the cache's num_blocks={bm.num_blocks}"
-            )
-        elif not cfg.enable_chunked_prefill and kv > cfg.max_num_batched_tokens:
-            err = (
-                f"max_num_batched_tokens: request {rid!r} may need {kv} tokens in one step, more "
-                f"than max_num_batched_tokens={cfg.max_num_batched_tokens} (chunked prefill is off)"
-            )
+        err = self.admission.refusal(seq)
         if err:
             self.stats.rejected += 1
             raise ValueError(err)
-        if (
-            cfg.max_admitted_seqs is not None
-            and (adm := self.num_admitted()) + n > cfg.max_admitted_seqs
-        ):
-            raise QueueFullError(
-                f"max_admitted_seqs: admitting request {rid!r} (n={n}) would make {adm + n} "
-                "admitted sequences, "
-                f"more than max_admitted_seqs={cfg.max_admitted_seqs}; retry when some have "
-                "finished"
-            )
-        self._members[rid] += 1
-        if n > 1 and self._members[rid] == 1 and seq.num_output_tokens == 0:
-            self._forks_due[rid] = n - 1
+        self.admission.enter(seq, self.num_admitted())
         seq.status, w = _WAITING, self.waiting
         if not w or w[-1].priority <= seq.priority:
             w.append(seq)
@@ -426,7 +292,7 @@ class Scheduler:
         else:
             raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.status.value})")
         seq.status = status
-        self._leave(seq)
+        self.admission.leave(seq)
         if self._parked:
             self._unpark(seq)
         if status is SequenceStatus.FINISHED_ABORTED:
@@ -460,7 +326,7 @@ class Scheduler:
             if s.status is _RUNNING:
                 self.block_manager.free(s)
             s.status = SequenceStatus.FINISHED_ABORTED
-            self._leave(s)
+            self.admission.leave(s)
             if self._parked:
                 self._parked.pop(s.seq_id, None)
         self.stats.aborted += len(gone)
@@ -479,7 +345,4 @@ class Scheduler:
         while i < len(q) and q[i].request_id == parent.request_id:
             i += 1
         q.insert(i, child)
-        rid = parent.request_id
-        self._members[rid] += 1
-        if self._forks_due.get(rid):
-            self._forks_due[rid] -= 1
+        self.admission.forked(parent.request_id)

@@ -753,7 +753,7 @@ def test_fork_of_a_waiting_parent_joins_right_behind_its_request():
     for s in (c1, c2, p):
         sch.finish(s)
     assert (
-        sch.num_admitted() == 1 and "p" not in sch._members
+        sch.num_admitted() == 1 and "p" not in sch.admission.members
     )  # the request's bookkeeping goes with its last sequence
 
 
@@ -843,9 +843,9 @@ def test_readded_group_bookkeeping_goes_with_its_last_sequence():
     sch.add(lead)
     sch.add(sib)
     sch.finish(lead)
-    assert "r" in sch._members
+    assert "r" in sch.admission.members
     sch.finish(sib)
-    assert "r" not in sch._members and sch.num_admitted() == 0
+    assert "r" not in sch.admission.members and sch.num_admitted() == 0
 
 
 def test_two_preemptions_in_one_step_are_both_reported():
