@@ -873,3 +873,11 @@ def test_logit_bias_with_min_tokens_keeps_eos_banned():
     x = torch.zeros(1, 6)
     s = seq(temperature=0, min_tokens=2, logit_bias={2: 100.0, 4: 5.0})
     assert Sampler([2])(x, [s]).token_ids == [4]
+
+
+def test_each_row_gets_its_own_number_of_top_logprobs():
+    "Rows asking 1 and 3 top logprobs in one batch: the first gets 1 (plus the chosen), not 3."
+    x = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 2)
+    _, tops = token_logprobs(x, torch.tensor([0, 4]), [1, 3])
+    assert list(tops[0]) == [0]  # the chosen token is the top one
+    assert list(tops[1]) == [4, 0, 1, 2]  # chosen first, then the top 3
