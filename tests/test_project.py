@@ -219,3 +219,30 @@ def test_notebooks_remove_their_temporary_files():
         if found := temp_leaks(src):
             leaks[nb.name] = found
     assert leaks == {}
+
+
+def developers_map(text: str) -> dict[str, set[str]]:
+    "DEVELOPERS.md's notebook map: notebook -> the modules its bullet names."
+    sec = text.split("### Which notebook exports which module", 1)[1].split("\n### ", 1)[0]
+    items = re.findall(r"^- `(\w+)`: (.*?)(?=^- |\Z)", sec, re.M | re.S)
+    return {nb: set(re.findall(r"`(\w+)\.py`", mods)) for nb, mods in items}
+
+
+def test_developers_md_maps_every_module_to_its_notebook():
+    """Every module in hetero_infer/ is listed under the notebook that exports it (nbdev's header
+    names it), and the map lists no module that does not exist."""
+    mapped = developers_map((root / "DEVELOPERS.md").read_text())
+    made: dict[str, set[str]] = {}
+    for py in (root / "hetero_infer").glob("*.py"):
+        nb = re.search(r"File to edit: \.\./nbs/(\w+)\.ipynb", py.read_text()[:600])
+        if py.name != "_modidx.py" and nb:
+            made.setdefault(nb[1], set()).add(py.stem)
+    assert mapped == made
+
+
+def test_developers_map_reads_the_bullets():
+    text = "### Which notebook exports which module\n\n- `00_a`: `a.py`, `b.py` (see\n  `c.py`)\n"
+    assert developers_map(text + "- `01_d`: `d.py`\n\n### next\n- `02_e`: `e.py`\n") == {
+        "00_a": {"a", "b", "c"},
+        "01_d": {"d"},
+    }
