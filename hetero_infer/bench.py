@@ -18,6 +18,7 @@ import torch
 
 from .bench_workload import Workload, fit_workload, random_workload
 from .bench_peers import format_offline, offline_bench
+from .bench_vllm import check_vllm_python
 from .bench_load import format_serve, plot_rate_sweep, serve_bench
 from .testing import dummy_checkpoint
 from .bench_args import SPECULATIVE_FLAGS, add_bench_arguments
@@ -143,6 +144,9 @@ def _cmd_offline(args) -> int:
     mns = args.max_num_seqs or (16 if device == "cpu" else 256)
     peers = [p for p in args.peers.split(",") if p.strip()]
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")] if args.hf_batch_sizes else None
+    vllm_python = check_vllm_python(args.vllm_python, "--vllm-python")
+    if vllm_python and "vllm" not in peers:
+        peers.append("vllm")
     print(f"threads: {torch.get_num_threads()} (torch intra-op), device {device}, dtype {dtype}")
     res = offline_bench(
         model,
@@ -160,6 +164,7 @@ def _cmd_offline(args) -> int:
         hf_batch_sizes=sizes,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative=_speculative_config(args),
+        vllm_python=vllm_python,
     )
     res["command"], res["note"] = _command_line(args), note
     print()

@@ -174,8 +174,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--peers",
         default=",".join(PEERS),
-        help=f"comma list of transformers peers from {', '.join(PEERS)}; empty: ours only "
+        help=f"comma list of peers from {', '.join(PEERS)} (vllm: vLLM's CPU build, in this "
+        "process when it imports, else see --vllm-python); empty: ours only "
         f"(default: {','.join(PEERS)})",
+    )
+    o.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="a Python interpreter with vLLM (e.g. a venv's bin/python): it runs the vllm peer "
+        "in its own process (default: vLLM in this process, if it imports)",
     )
     o.add_argument(
         "--hf-batch-sizes",

@@ -13,6 +13,7 @@ import torch
 from .bench_workload import Timing, Workload, device_sync, format_seconds
 from .bench_workload import machine_info, machine_label
 from .bench_workload import measure, measure_interleaved
+from .bench_vllm import vllm_peer, vllm_spec
 
 # %% auto #0
 __all__ = [
@@ -178,8 +179,8 @@ def run_hf_cb(mgr, wl: Workload, repeats: int = 3, warmup: int = 1, timeout: flo
     return measure(hf_cb_job(mgr, wl, timeout), repeats, warmup)
 
 
-# %% ../nbs/11_benchmarks.ipynb #d1beaf18
-PEERS = ("hf-static", "hf-best", "hf-cb")
+# %% ../nbs/11_benchmarks.ipynb #7fc6e120
+PEERS = ("hf-static", "hf-best", "hf-cb", "vllm")
 
 
 def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
@@ -212,9 +213,11 @@ def offline_bench(
     # e.g. {"speculative_method": "ngram", "num_speculative_tokens": 3}: ours speculates, and ours
     # without it is timed too
     speculative: dict | None = None,
+    vllm_python: str
+    | None = None,  # an interpreter with vLLM (else vLLM in-process, if it imports)
     log=print,
 ) -> dict:
-    "Ours against transformers `generate` (static batches) and continuous batching, timed in turns."
+    "Ours against transformers (static batches, continuous batching) and vLLM, timed in turns."
     from hetero_infer.engine import LLM
 
     unknown = set(peers) - set(PEERS)
@@ -237,7 +240,7 @@ def offline_bench(
     if speculative:
         plain = LLM(str(model_dir), **common)
         jobs["ours-plain"] = ours_job(plain, wl)
-    hf = _hf_model(model_dir, device, dtype) if peers else None
+    hf = _hf_model(model_dir, device, dtype) if set(peers) - {"vllm"} else None
     best, sweep = max_num_seqs, None
     if "hf-static" in peers or "hf-best" in peers:
         log(f"transformers generate, static batches of {max_num_seqs} ...")
@@ -274,6 +277,25 @@ def offline_bench(
                 enable_prefix_caching,
             )
             jobs["hf-cb"] = hf_cb_job(stack.enter_context(hf_cb_manager(hf, cbc)), wl)
+        vinfo = "not asked for (--peers)"
+        if "vllm" in peers:
+            threads = torch.get_num_threads()  # ours in this process; vLLM's worker gets as many
+            spec = vllm_spec(
+                model_dir,
+                wl.prompts,
+                wl.output_lens,
+                dtype=dtype,
+                threads=threads,
+                max_num_seqs=max_num_seqs,
+                max_model_len=cfg.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching,
+            )
+            vjob, vinfo = vllm_peer(stack, spec, vllm_python, log)
+            if vjob is None:
+                log(f"vllm: not available: {vinfo}; reporting the other systems")
+            else:
+                jobs["vllm"] = vjob
         # ours, theirs, ours, theirs, ...
         t = measure_interleaved(jobs, repeats, warmup, device_sync(device))
     tp = f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
@@ -331,6 +353,9 @@ def offline_bench(
                 batch_size=max_num_seqs,
             )
         )
+    if "vllm" in t:
+        v = f"vLLM {vinfo['vllm']} CPU build, max_num_seqs={max_num_seqs}, {threads} threads"
+        rows.append(_row(v, "vllm", t["vllm"], wl, batch_size=max_num_seqs, vllm=vinfo))
     ours = rows[0]["output_tok_s"]
     for r in rows:
         r["ours_over_this"] = ours / r["output_tok_s"]
@@ -354,6 +379,7 @@ def offline_bench(
             "tensor_parallel_size": tensor_parallel_size,
             **(speculative or {}),
         },
+        "vllm": vinfo,
         "results": rows,
     }
 

@@ -18,6 +18,7 @@ from .core import SamplingParams
 
 # %% auto #0
 __all__ = [
+    "CPU_FEATURES",
     "DEFAULT_WORKLOAD",
     "CPU_WORKLOAD",
     "Timing",
@@ -26,6 +27,7 @@ __all__ = [
     "device_sync",
     "measure",
     "measure_interleaved",
+    "cpu_flags",
     "machine_info",
     "machine_label",
     "Workload",
@@ -152,6 +154,28 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+CPU_FEATURES = {  # /proc/cpuinfo flag -> name: what CPU inference speed depends on
+    "avx2": "AVX2",
+    "avx512f": "AVX512",
+    "avx512_bf16": "AVX512-BF16",
+    "avx512_vnni": "AVX512-VNNI",
+    "amx_bf16": "AMX-BF16",
+}
+
+
+def cpu_flags() -> str:
+    "Which of `CPU_FEATURES` this CPU has and lacks, in one line (Linux; else 'unknown')."
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU features unknown"
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    have = [n for f, n in CPU_FEATURES.items() if f in flags]
+    lacks = [n for f, n in CPU_FEATURES.items() if f not in flags]
+    return f"has {', '.join(have) or 'none of them'}; lacks {', '.join(lacks) or 'none'}"
+
+
 def machine_info(device: str = "cpu") -> dict:
     "Machine, versions and threads, to store beside every measured figure."
     import transformers
@@ -164,6 +188,7 @@ def machine_info(device: str = "cpu") -> dict:
         "cores": cores,
         "load_avg_1min": load,
         "loaded": load is not None and load > 0.5 * cores,
+        "cpu_flags": cpu_flags(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import numpy as np
 import pytest
 import torch
@@ -183,7 +184,10 @@ def test_public_configs_parse(name):
 
 def test_offline_bench_all_peers_tiny():
     wl = random_workload(8, (3, 12), (2, 9), vocab_size=297, seed=4)
-    res = offline_bench(DEMO_MODEL_DIR, wl, max_num_seqs=3, repeats=1, warmup=0, log=lambda s: None)
+    peers = ("hf-static", "hf-best", "hf-cb")
+    res = offline_bench(
+        DEMO_MODEL_DIR, wl, max_num_seqs=3, repeats=1, warmup=0, peers=peers, log=lambda s: None
+    )
     keys = [r["key"] for r in res["results"]]
     assert keys == ["ours", "hf-static", "hf-best", "hf-cb"]
     ours = res["results"][0]["output_tok_s"]
@@ -273,7 +277,9 @@ def test_offline_bench_times_the_systems_in_turns(monkeypatch):
     "argv, field",
     [
         (["offline", "--input-len", "3,100", "--output-len", "1,8"], "max_model_len"),
-        (["offline", "--peers", "vllm", "--num-requests", "2"], "peers"),
+        (["offline", "--peers", "sglang", "--num-requests", "2"], "peers"),
+        (["offline", "--vllm-python", "/no/such/python", "--num-requests", "2"], "--vllm-python"),
+        (["offline", "--vllm-python", __file__, "--num-requests", "2"], "--vllm-python"),
         (["offline", "--repeats", "0"], "--repeats"),
         (["offline", "--model", "x", "--dummy-config", "tiny-llama"], "--dummy-config"),
         (["serve", "--rates", "0,1"], "--rates"),
@@ -430,3 +436,71 @@ def test_offline_output_in_a_missing_directory(tmp_path):
         r.stderr.strip().splitlines()[-1].startswith("hetero-infer: error: --output: cannot create")
     )
     assert "ours:" not in r.stdout and time.perf_counter() - t < 60  # refused before running
+
+
+# ---- vLLM's CPU build as a peer (issue 23). The real run needs an interpreter with vLLM: it runs
+# where /root/vllm-venv/bin/python exists (this project's benchmark machine) and skips elsewhere, so
+# CI on a fresh machine skips it; vLLM is never a test dependency.
+
+VLLM_PYTHON = "/root/vllm-venv/bin/python"
+HAS_VLLM_HERE = importlib.util.find_spec("vllm") is not None
+
+
+def test_vllm_runner_protocol_lines():
+    from hetero_infer.bench_vllm import PREFIX, parse_runner_line
+
+    assert parse_runner_line(PREFIX + '{"ready": true, "vllm": "0.32.0"}\n')["vllm"] == "0.32.0"
+    assert parse_runner_line(PREFIX + '{"seconds": 0.25}')["seconds"] == 0.25
+    for log_line in ("(EngineCore pid=7) INFO loading\n", "", '{"seconds": 1}', "@@ {}"):
+        assert parse_runner_line(log_line) is None
+    for bad in ("[1]", "{not json", '"text"', ""):
+        with pytest.raises(ValueError, match="not a JSON object"):
+            parse_runner_line(PREFIX + bad)
+
+
+@pytest.mark.skipif(HAS_VLLM_HERE, reason="vllm imports in this environment")
+def test_vllm_runner_reports_an_error_line_when_vllm_does_not_import():
+    """The runner's failure path, run for real here (no vLLM): one error line, exit status 1."""
+    import io
+
+    from hetero_infer.bench_vllm import parse_runner_line, runner_main, vllm_spec
+
+    out = io.StringIO()
+    spec = vllm_spec("m", [[5, 6]], [2])
+    assert runner_main(io.StringIO(json.dumps(spec) + "\nrun\n"), out) == 1
+    lines = [parse_runner_line(x) for x in out.getvalue().splitlines()]
+    assert len(lines) == 1 and "vllm" in lines[0]["error"]
+
+
+@pytest.mark.skipif(HAS_VLLM_HERE, reason="vllm imports in this environment")
+def test_vllm_not_available_says_so_in_one_line_and_reports_the_others():
+    wl = random_workload(3, (3, 6), (2, 4), vocab_size=297, seed=2)
+    logged = []
+    res = offline_bench(
+        DEMO_MODEL_DIR, wl, max_num_seqs=2, repeats=1, warmup=0, peers=("vllm",), log=logged.append
+    )
+    said = [s for s in logged if s.startswith("vllm: not available")]
+    assert len(said) == 1 and "--vllm-python" in said[0]
+    assert [r["key"] for r in res["results"]] == ["ours"] and "--vllm-python" in res["vllm"]
+
+
+@pytest.mark.skipif(
+    not os.access(VLLM_PYTHON, os.X_OK), reason=f"no vLLM interpreter at {VLLM_PYTHON}"
+)
+def test_vllm_peer_real_run_through_the_command(tmp_path, capsys):
+    """A real vLLM CPU run (its own process, through --vllm-python) against ours on tiny-llama:
+    every request generates exactly its length on both sides (each job checks), the row and the
+    ratio are in the table."""
+    out = tmp_path / "r.json"
+    argv = ["offline", "--dummy-config", "tiny-llama", "--num-requests", "4", "--input-len"]
+    argv += ["4,12", "--output-len", "3,8", "--max-num-seqs", "4", "--peers", "", "--repeats", "2"]
+    argv += ["--threads", "1", "--vllm-python", VLLM_PYTHON, "--output", str(out)]
+    assert bench_command(parser().parse_args(argv)) == 0
+    res = json.loads(out.read_text())
+    assert [r["key"] for r in res["results"]] == ["ours", "vllm"]
+    v = res["results"][1]
+    assert v["vllm"]["vllm"] and v["vllm"]["threads"] == "0-0" and len(v["timing"]["times_s"]) == 2
+    assert v["ours_over_this"] == pytest.approx(
+        res["results"][0]["output_tok_s"] / v["output_tok_s"]
+    )
+    assert "vLLM" in capsys.readouterr().out
