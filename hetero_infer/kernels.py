@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "MAX_HEAD_DIM",
     "LOG2E",
+    "FP8_CAPABILITY",
     "NO_WINDOW",
     "block_d",
     "triton_write_kv",
@@ -52,6 +53,18 @@ def _check_head_dim(D: int):
 
 
 @triton.jit
+def _to_fp8_grid(x):
+    "x in fp32, saturated at ±448, rounded to the nearest float8_e4m3fn value (exact to convert)."
+    x = x.to(tl.float32)
+    a = tl.minimum(tl.abs(x), 448.0)
+    c = a * 1048577.0  # (2^20 + 1) a: Veltkamp's split keeps a's 4 leading bits, rounded
+    hi = c - (c - a)
+    sub = (a + 24576.0) - 24576.0  # 1.5 * 2^14: rounds to a multiple of 2^-9 (the subnormals)
+    r = tl.where(a < 0.015625, sub, hi)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr,
     v_ptr,
@@ -65,6 +78,7 @@ def _write_kv_kernel(
     stride_vh,
     stride_slot,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,  # the cache is float8_e4m3fn: saturate at ±448, then convert
 ):
     t, h = tl.program_id(0), tl.program_id(1)  # one program per (new token, KV head)
     slot = tl.load(slot_ptr + t)  # int64 cache slot; < 0 means padding
@@ -72,16 +86,13 @@ def _write_kv_kernel(
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D  # a head of D padded to BLOCK_D lanes
         dst = slot * stride_slot + h * D + offs
-        tl.store(
-            kc_ptr + dst,
-            tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask),
-            mask=mask,
-        )
-        tl.store(
-            vc_ptr + dst,
-            tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask),
-            mask=mask,
-        )
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask)
+        if FP8:  # round first: then the conversion is exact, on a GPU and in the interpreter
+            k = _to_fp8_grid(k)
+            v = _to_fp8_grid(v)
+        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def triton_write_kv(
@@ -97,7 +108,8 @@ def triton_write_kv(
         return
     _check_head_dim(D)
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV caches must be contiguous"
-    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, (
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.dtype == v_cache.dtype and (fp8 or k.dtype == v.dtype == k_cache.dtype), (
         f"k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}"
     )
     if k.stride(2) != 1:
@@ -117,6 +129,7 @@ def triton_write_kv(
         v.stride(1),
         Hkv * D,
         BLOCK_D=block_d(D),
+        FP8=fp8,
     )
 
 
@@ -131,13 +144,16 @@ def _check_attention_inputs(q, k_cache, v_cache):
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), (
         "q's last dim and the caches must be contiguous"
     )
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn), (
         f"q dtype {q.dtype} differs from the caches' {k_cache.dtype}"
     )
 
 
 # %% ../nbs/04_paged_attention_triton.ipynb #c25803b5
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+
+
+FP8_CAPABILITY = (8, 9)  # Triton's float8e4nv (an fp8 KV cache) compiles from sm_89 on
 
 
 @dataclass(frozen=True)
@@ -296,12 +312,10 @@ def _decode_kernel(
             blk * stride_kb + (pos & ((1 << bs_log2) - 1)) * stride_kt + h * stride_kh
         )  # (BLOCK_N,) offsets
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-        )  # (BLOCK_N, BLOCK_D)
-        v = tl.load(
-            vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-        )  # (BLOCK_N, BLOCK_D)
+        k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(
+            q.dtype
+        )  # (BLOCK_N, BLOCK_D); an fp8 cache converts here (scale 1.0), else a no-op
+        v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(
             q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, IS_FP32
         )
@@ -507,12 +521,12 @@ def _prefill_kernel(
             )
             tok = blk * stride_kb + (pos & ((1 << bs_log2) - 1)) * stride_kt + h * stride_kh
             kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-            )  # (BLOCK_N, BLOCK_D)
-            v = tl.load(
-                vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-            )  # (BLOCK_N, BLOCK_D)
+            k = tl.load(kc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(
+                q.dtype
+            )  # (BLOCK_N, BLOCK_D); an fp8 cache converts here (scale 1.0), else a no-op
+            v = tl.load(vc_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(
+                q.dtype
+            )
             causal = (
                 n_mask[None, :]
                 & (pos[None, :] <= q_pos[:, None])
@@ -643,6 +657,7 @@ def triton_unsupported(
     head_dim: int,  # the model's D
     dtype: torch.dtype,  # the KV-cache dtype
     device: str | torch.device,  # where the model runs
+    kv_cache_dtype: torch.dtype | None = None,  # the cache's, when it differs (fp8)
 ) -> str | None:
     "Why the Triton backend cannot run this model here (a sentence naming the field), else None."
     device = torch.device(device)
@@ -654,6 +669,11 @@ def triton_unsupported(
             return (
                 "dtype=bfloat16 needs compute capability 8.0 or newer, "
                 f"this GPU has {cap[0]}.{cap[1]}"
+            )
+        if kv_cache_dtype == torch.float8_e4m3fn and tuple(cap) < FP8_CAPABILITY:
+            return (
+                "kv_cache_dtype=fp8 needs compute capability 8.9 or newer for the Triton "
+                f"kernels (float8e4nv), this GPU has {cap[0]}.{cap[1]}"
             )
     elif os.environ.get("TRITON_INTERPRET") != "1":
         return (

@@ -215,14 +215,20 @@ def gpu_dtype(
     return torch.float16
 
 
-def attention_backend_for(name: str, c: layers.ModelConfig, dtype: torch.dtype, device):
+def attention_backend_for(
+    name: str,
+    c: layers.ModelConfig,
+    dtype: torch.dtype,  # the model's
+    device,
+    kv_cache_dtype: torch.dtype | None = None,  # the cache's when it differs (fp8)
+):
     "Backend `name` for this model: `auto` falls back to torch where Triton can't; `triton` raises."
     b = attention.get_attention_backend(name, device)
     if b.name != "triton":
         return b
     from hetero_infer.kernels import triton_unsupported
 
-    why = triton_unsupported(c.head_dim, dtype, device)
+    why = triton_unsupported(c.head_dim, dtype, device, kv_cache_dtype)
     if why is None:
         return b
     if name == "triton":

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = [
+    "FP8_KV_MAX",
     "BUCKET_BYTES",
+    "to_cache_dtype",
     "write_kv",
     "gather_kv",
     "attention_buckets",
@@ -20,8 +22,17 @@ __all__ = [
     "paged_prefill_attention",
 ]
 
-
 # %% ../nbs/03_attention_reference.ipynb #02378569
+FP8_KV_MAX = 448.0  # the largest float8_e4m3fn; an fp8 cache stores K/V with scale 1.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    "`x` in the cache's `dtype`; an fp8 (e4m3) cache saturates at ±448 rather than overflow."
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return x.to(dtype)
+
+
 def write_kv(
     k: torch.Tensor,  # (T, Hkv, D) this step's keys
     v: torch.Tensor,  # (T, Hkv, D) this step's values
@@ -36,8 +47,8 @@ def write_kv(
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     blk, off = slot_mapping // bs, slot_mapping % bs
-    k_cache[blk, off] = k.to(k_cache.dtype)
-    v_cache[blk, off] = v.to(v_cache.dtype)
+    k_cache[blk, off] = to_cache_dtype(k, k_cache.dtype)
+    v_cache[blk, off] = to_cache_dtype(v, v_cache.dtype)
 
 
 # %% ../nbs/03_attention_reference.ipynb #1f1b1e64

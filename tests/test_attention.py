@@ -376,3 +376,22 @@ def test_plan_built_once_per_step():
     assert m.attention_plan(4) is m.attention_plan(4) and m.attention_plan(
         4, 2
     ) is not m.attention_plan(4)
+
+
+def test_fp8_cache_torch_backend():
+    """An fp8 (e4m3) cache through the torch backend: written saturated and rounded, read back in
+    the queries' dtype; output within e4m3's rounding of the float32 cache's."""
+    lens, qlens = [5, 16, 17, 40, 24], [1, 1, 1, 12, 24]
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, 16, 2, 4, 64, torch.float32, seed=3)
+    tb = TorchAttentionBackend()
+    ref = tb.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    out = tb.forward(q, k, v, kc8, vc8, meta, 0.125)
+    assert out.dtype == torch.float32 and out.isfinite().all()
+    assert rel_err(out, ref) <= 0.08
+    big = torch.full((1, 2, 64), 1e4)
+    write_kv(big, -big, kc8, vc8, meta.slot_mapping[:1])
+    s = int(meta.slot_mapping[0])
+    assert (kc8[s // 16, s % 16].float() == 448).all() and (
+        vc8[s // 16, s % 16].float() == -448
+    ).all()

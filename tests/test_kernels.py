@@ -312,3 +312,46 @@ def test_import_needs_no_gpu_and_no_interpreter():
         text=True,
     )
     assert r.returncode == 0 and r.stdout.strip() == "triton", r.stderr
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype,D,g", [(torch.float32, 64, 4), (torch.float16, 80, 1)])
+def test_fp8_cache_matches_torch_backend(dtype, D, g):
+    """An fp8 (e4m3) cache through the Triton backend: the write kernel stores the same bytes as the
+    torch write (saturated at ±448, rounded to nearest), decode and prefill read it as the torch
+    backend does; both within e4m3's rounding of the float cache's output."""
+    lens, qlens = [5, 16, 17, 40, 24], [1, 1, 1, 12, 24]
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, 16, 2, g, D, dtype, seed=5)
+    ref = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, D**-0.5)
+    kc8, vc8 = kc.to(FP8), vc.to(FP8)
+    kc8b, vc8b = kc8.clone(), vc8.clone()
+    out8 = TritonAttentionBackend().forward(q, k, v, kc8, vc8, meta, D**-0.5)
+    ref8 = TorchAttentionBackend().forward(q, k, v, kc8b, vc8b, meta, D**-0.5)
+    assert torch.equal(kc8.view(torch.uint8), kc8b.view(torch.uint8))
+    assert torch.equal(vc8.view(torch.uint8), vc8b.view(torch.uint8))
+    assert rel_err(out8, ref8) <= TOL[dtype]
+    assert rel_err(out8, ref) <= 0.08  # e4m3: 3 mantissa bits on K and V
+
+
+def test_fp8_write_rounds_like_torch_everywhere():
+    "Values across e4m3's range (subnormals, ties of random data, past ±448) round as torch does."
+    x = torch.cat([torch.randn(4096) * s for s in (1e-3, 1e-2, 1.0, 30.0, 300.0)]).view(-1, 1, 16)
+    kc = torch.zeros(x.shape[0], 1, 1, 16, dtype=FP8, device=DEV)
+    vc = kc.clone()
+    slots = torch.arange(x.shape[0], device=DEV)
+    triton_write_kv(x.to(DEV), -x.to(DEV), kc, vc, slots)
+    want = x.clamp(-448, 448).to(FP8).view(torch.uint8)
+    assert torch.equal(kc.view(-1, 1, 16).cpu().view(torch.uint8), want)
+    assert torch.equal(vc.view(-1, 1, 16).cpu().float(), -want.view(FP8).float())
+
+
+def test_fp8_cache_needs_sm89_on_cuda(monkeypatch):
+    from hetero_infer import kernels
+
+    monkeypatch.setattr(kernels, "_capability", lambda device: (8, 0))
+    why = kernels.triton_unsupported(64, torch.float16, "cuda", FP8)
+    assert "kv_cache_dtype=fp8 needs compute capability 8.9" in why
+    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
+    assert kernels.triton_unsupported(64, torch.bfloat16, "cuda", FP8) is None

@@ -199,3 +199,102 @@ def test_kv_cache_dtype_and_blocks():
     b8 = kv_blocks_at_equal_memory(1 << 30, **kw, dtype=FP8_DTYPE)
     assert b8 / b16 >= 1.9
     assert kv_blocks_at_equal_memory(10, **kw, dtype=FP8_DTYPE) == 0
+
+
+# --- in the engine: ModelRunner / LLM with quantization and an fp8 KV cache ---
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from hetero_infer.testing import tiny_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("q") / "qwen3"
+    tiny_hf_checkpoint(path, "qwen3", seed=2)
+    return str(path)
+
+
+def _greedy(path, n=4, max_tokens=12, **kw):
+    from hetero_infer.core import SamplingParams
+    from hetero_infer.engine import LLM
+
+    llm = LLM(path, seed=0, **kw)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(n)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(quantization="int8"), dict(quantization="w8a8"), dict(kv_cache_dtype="fp8")]
+)
+def test_llm_quantized_agrees_with_float(tiny, kw, caplog):
+    """The first greedy token of 16 prompts of a tiny random model agrees with unquantized on >= 15
+    (a random model's logits are flat: once one token differs, the rest of the text does)."""
+    caplog.set_level("INFO", logger="hetero_infer.runner")
+    _, ref = _greedy(tiny, n=16, max_tokens=2)
+    llm, got = _greedy(tiny, n=16, max_tokens=2, **kw)
+    agree = sum(r[0] == g[0] for r, g in zip(ref, got))
+    assert agree >= 15, (kw, agree)
+    runner = llm.engine.runner
+    if "quantization" in kw:
+        assert runner.quant_report.mode == kw["quantization"]
+        assert len(runner.quant_report.layers) == 4 * runner.model.config.num_layers
+        assert f"quantization={kw['quantization']}" in caplog.text
+    else:
+        assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        assert "KV cache float8_e4m3fn" in caplog.text
+
+
+def test_fp8_cache_gives_4x_blocks_of_fp32_at_equal_memory(tiny):
+    "On CPU the cache budget is in bytes: fp8 holds 4x the blocks of float32 (2x of bf16)."
+    from hetero_infer.core import EngineConfig
+    from hetero_infer.runner import CPU_KV_CACHE_BYTES, ModelRunner, kv_block_bytes
+
+    big = dict(model=tiny, max_num_seqs=10**5, max_model_len=64)  # the byte budget binds
+    r32 = ModelRunner(EngineConfig(**big))
+    r8 = ModelRunner(EngineConfig(kv_cache_dtype="fp8", **big), r32.model)
+    rbf = ModelRunner(EngineConfig(dtype="bfloat16", **big))
+    assert r8.num_blocks == 4 * r32.num_blocks == 2 * rbf.num_blocks
+    assert r8.num_blocks * kv_block_bytes(r8.model.config, 16, FP8_DTYPE) <= CPU_KV_CACHE_BYTES
+    r8bf = ModelRunner(EngineConfig(kv_cache_dtype="fp8", **big), rbf.model)
+    assert r8bf.num_blocks == 2 * rbf.num_blocks
+    assert "2.00x the blocks per MiB of bfloat16" in r8bf.startup_lines()[-1]
+
+
+def test_quantization_refused_with_tensor_parallelism(tiny):
+    from hetero_infer.core import EngineConfig
+    from hetero_infer.runner import ModelRunner
+
+    with pytest.raises(ValueError, match="quantization='w8a8' is not supported with tensor_par"):
+        ModelRunner(EngineConfig(model=tiny, quantization="w8a8", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported with tensor_p"):
+        ModelRunner(EngineConfig(model=tiny, kv_cache_dtype="fp8", tensor_parallel_size=2))
+
+
+def test_bad_engine_values_name_the_field(tiny):
+    from hetero_infer.engine import LLM
+
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(tiny, quantization="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(tiny, kv_cache_dtype="fp8_e5m2")
+
+
+def test_w8a8_fallbacks_logged_after_first_step(tiny, caplog):
+    caplog.set_level("INFO", logger="hetero_infer.runner")
+    llm, _ = _greedy(tiny, n=1, max_tokens=2, quantization="w8a8")
+    assert "layers fell back to int8" in caplog.text
+    assert all(m.rel_error is not None for m in llm.engine.runner.quant_report.layers.values())
+
+
+def test_demo_model_under_each_mode():
+    "The demo model answers >= 62 of 64 fresh held-out prompts under int8, w8a8 and fp8 KV."
+    from hetero_infer.core import SamplingParams
+    from hetero_infer.demo import check_answer, demo_prompts
+    from hetero_infer.engine import LLM
+
+    prompts = demo_prompts(64, seed=4321)
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    for kw in (dict(quantization="int8"), dict(quantization="w8a8"), dict(kv_cache_dtype="fp8")):
+        outs = LLM(None, **kw).generate(prompts, sp, use_tqdm=False)
+        right = sum(check_answer(p, o.outputs[0].text) for p, o in zip(prompts, outs))
+        assert right >= 62, (kw, right)
