@@ -633,9 +633,9 @@ BAD = [
         "ValueError",
         "unknown config key(s) bogus; known: attention_backend, block_size, device, dtype, "
         "enable_chunked_prefill, enable_prefix_caching, gpu_memory_utilization, "
-        "max_admitted_seqs, max_model_len, max_num_batched_tokens, max_num_seqs, "
+        "kv_cache_dtype, max_admitted_seqs, max_model_len, max_num_batched_tokens, max_num_seqs, "
         "max_retry_attempts, memory_threshold, model, num_blocks, num_speculative_tokens, "
-        "prompt_lookup_max, prompt_lookup_min, seed, serving, speculative_method, "
+        "prompt_lookup_max, prompt_lookup_min, quantization, seed, serving, speculative_method, "
         "speculative_model, tensor_parallel_size, tokenizer",
     ),
     (
@@ -832,3 +832,21 @@ def test_serving_must_be_an_object():
     with pytest.raises(ValueError, match="serving must be an object"):
         EngineConfig.from_json('{"serving": "x"}')
     assert EngineConfig(serving={"port": 9}).serving.port == 9
+
+
+def test_quantization_fields_are_checked_by_name():
+    "quantization and kv_cache_dtype take 15's modes only; each refusal names its field."
+    assert EngineConfig(quantization="w8a8", kv_cache_dtype="fp8").quantization == "w8a8"
+    with pytest.raises(ValueError, match="^quantization must be one of"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="^kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp16")
+
+
+def test_structured_outputs_field_is_checked():
+    "structured_outputs: StructuredOutputsParams or a dict of its fields; anything else by name."
+    assert SamplingParams(structured_outputs={"regex": "[ab]+"}).structured_outputs.regex == "[ab]+"
+    with pytest.raises(ValueError, match="^structured_outputs unknown field"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    with pytest.raises(ValueError, match="^structured_outputs must be"):
+        SamplingParams(structured_outputs="json")
