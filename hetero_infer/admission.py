@@ -36,7 +36,7 @@ class AdmissionControl:
         forks) plus each fork's own."""
         n, bs = max(seq.params.n, 1), self.block_manager.block_size
         per_seq = -(-self.max_kv_tokens(seq) // bs)
-        shared = seq.num_prompt_tokens // bs if n > 1 else 0
+        shared = seq.num_prompt_tokens // bs  # with n = 1 it cancels: the answer is per_seq
         return shared + n * (per_seq - shared)
 
     def refusal(self, seq: Sequence) -> str | None:

@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 from hetero_infer.core import EngineConfig, SamplingParams, Sequence, SequenceStatus
-from hetero_infer.scheduler import Scheduler, SchedulerOutput
+from hetero_infer.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from hetero_infer.block_manager import BlockManager
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
@@ -1088,3 +1088,24 @@ def test_unparked_sibling_is_reset_and_a_finished_parked_sibling_is_forgotten():
     sch, lead, sib, out = readmitted_group()
     sch.finish(sib, SequenceStatus.FINISHED_ABORTED)  # the parked one itself leaves
     assert not sch._parked and lead.status is RUNNING
+
+
+def test_num_logits_is_one_row_for_a_chunk_that_reaches_the_end():
+    s = Sequence(0, "a", [5, 6, 7], 3)
+    assert [ScheduledSeq(s, n, list(range(n))).num_logits for n in (1, 2, 3)] == [0, 0, 1]
+    s.num_computed_tokens = 2
+    assert ScheduledSeq(s, 1, [2]).num_logits == 1  # the last token: the step samples
+    assert ScheduledSeq(s, 1, [2], num_logits=4).num_logits == 4  # a plugin's rows are kept
+    assert ScheduledSeq(s, 1, [2], num_logits=0).num_logits == 0
+
+
+def test_a_single_completion_holds_no_seats_for_forks():
+    sch = make_sched(max_admitted_seqs=3)
+    one, two = (
+        Sequence(0, "one", [1, 2, 3], 3, SamplingParams(max_tokens=4)),
+        Sequence(1, "two", [1, 2, 3], 3, SamplingParams(n=2, max_tokens=4)),
+    )
+    sch.add(one)
+    assert (dict(sch.admission.members), sch.admission.forks_due) == ({"one": 1}, {})
+    sch.add(two)
+    assert sch.admission.forks_due == {"two": 1} and sch.num_admitted() == 3
