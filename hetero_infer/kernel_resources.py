@@ -16,12 +16,15 @@ import time
 import warnings
 from dataclasses import dataclass, asdict
 import torch
-from .kernels import attention_tiles, block_d, supports_bf16
+from .kernels import FP8_CAPABILITY, attention_tiles, block_d, supports_bf16
 
 # %% auto #0
 __all__ = [
     "ARCHS",
     "KERNELS",
+    "ATTENTION_KERNELS",
+    "FP8_KERNELS",
+    "GEMM_MODULES",
     "DTYPES",
     "HEAD_DIMS",
     "USAGE_CACHE",
@@ -29,6 +32,7 @@ __all__ = [
     "occupancy",
     "KernelSpec",
     "kernel_specs",
+    "gemm_specs",
     "launch_specs",
     "compile_spec",
     "compile_report",
@@ -94,6 +98,14 @@ KERNELS = {
     "decode_split": "_decode_kernel",
     "reduce_splits": "_reduce_splits_kernel",
     "prefill": "_prefill_kernel",
+    "int8_matmul": "_int8_weight_matmul_kernel",  # quant_kernels (15)
+    "fused_moe": "_fused_moe_kernel",  # moe_kernels (16)
+}
+ATTENTION_KERNELS = ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")
+FP8_KERNELS = ("write_kv", "decode", "decode_split", "prefill")  # those that touch the cache
+GEMM_MODULES = {
+    "int8_matmul": "hetero_infer.quant_kernels",
+    "fused_moe": "hetero_infer.moe_kernels",
 }
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 HEAD_DIMS = (64, 80, 96, 112, 128, 256)
@@ -112,20 +124,32 @@ class KernelSpec:
     num_stages: int = 3
     module: str = "hetero_infer.kernels"  # the kernel's module (tests: a broken one)
     fn: str = ""  # the @triton.jit function; "" = KERNELS[kernel]
+    kv_cache: str = "auto"  # "fp8": the cache pointers are float8e4nv
 
     @property
     def label(self) -> str:
         "Names the kernel, its constexprs and the target, as a failure message must."
         cx = ", ".join(f"{k}={v}" for k, v in self.constexprs.items())
         opts = f"num_warps={self.num_warps} num_stages={self.num_stages}"
-        return f"{self.fn or KERNELS[self.kernel]}[{cx}] {opts} ({self.dtype}, {self.arch})"
+        kv = ", fp8 cache" if self.kv_cache == "fp8" else ""
+        return f"{self.fn or KERNELS[self.kernel]}[{cx}] {opts} ({self.dtype}{kv}, {self.arch})"
 
 
-def kernel_specs(kernel: str, dtype: str, arch: str, head_dims: tuple) -> KernelSpec:
+def kernel_specs(
+    kernel: str,
+    dtype: str,
+    arch: str,
+    head_dims: tuple,
+    kv_cache: str = "auto",  # "fp8": the binary for a float8_e4m3fn cache
+) -> KernelSpec:
     "The binary `kernels`' launcher builds for `kernel` on this dtype, GPU and head size(s)."
     D, dt, cap = head_dims[0], getattr(torch, dtype), ARCHS[arch].capability
-    fp32 = dtype == "float32"
-    if kernel in ("write_kv", "reduce_splits"):
+    fp32, kv = dtype == "float32", dict(kv_cache=kv_cache)
+    if kernel == "write_kv":
+        return KernelSpec(
+            kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D), FP8=kv_cache == "fp8"), **kv
+        )
+    if kernel == "reduce_splits":
         return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)))
     if kernel in ("decode", "decode_split"):
         t = attention_tiles("decode", D, dt, cap)
@@ -136,19 +160,40 @@ def kernel_specs(kernel: str, dtype: str, arch: str, head_dims: tuple) -> Kernel
             SPLIT=kernel == "decode_split",
             IS_FP32=fp32,
         )
-        return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages)
+        return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
     if kernel == "prefill":
         t = attention_tiles("prefill", D, dt, cap)
-        return KernelSpec(
-            kernel,
-            dtype,
-            arch,
-            head_dims,
-            dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32),
-            t.num_warps,
-            t.num_stages,
-        )
-    raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
+        cx = dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32)
+        return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
+    raise ValueError(f"kernel must be one of {list(ATTENTION_KERNELS)}, got {kernel!r}")
+
+
+def gemm_specs(kernel: str, dtype: str, arch: str) -> list[KernelSpec]:
+    "The binaries of the int8-weight GEMM (15) or the fused-MoE GEMM (16): one per row tile."
+    from hetero_infer.moe_kernels import fused_moe_tiles
+    from hetero_infer.quant_kernels import int8_matmul_tiles
+
+    mod = dict(module=GEMM_MODULES.get(kernel, ""))
+    if kernel == "int8_matmul":  # decode batches (<= 16 rows) and beyond
+        tiles = {int8_matmul_tiles(M) for M in (1, 17)}
+        cxs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk) for bm, bn, bk in sorted(tiles)]
+        return [KernelSpec(kernel, dtype, arch, (64,), cx, **mod) for cx in cxs]
+    if kernel == "fused_moe":  # few pairs per expert (16-row tiles) and many; gated and plain
+        dt = getattr(torch, dtype)
+        tiles = sorted({fused_moe_tiles(n, 8, dt) for n in (8, 8 * 17)})
+        return [
+            KernelSpec(
+                kernel,
+                dtype,
+                arch,
+                (64,),
+                dict(GATED=g, MUL_WEIGHT=not g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
+                **mod,
+            )  # fmt: skip
+            for g in (True, False)
+            for bm, bn, bk in tiles
+        ]
+    raise ValueError(f"kernel must be one of {list(GEMM_MODULES)}, got {kernel!r}")
 
 
 def launch_specs(
@@ -157,20 +202,40 @@ def launch_specs(
     "Every distinct binary the engine can launch for these GPUs, dtypes and head sizes."
     specs = []
     for arch in archs:
+        fp8 = tuple(ARCHS[arch].capability) >= FP8_CAPABILITY
         for dtype in dtypes:
             if dtype == "bfloat16" and not supports_bf16(ARCHS[arch].capability):
                 continue
             groups = {}
             for D in head_dims:
                 groups.setdefault((block_d(D), D % 16 == 0), []).append(D)  # one binary per group
+            attn = [k for k in kernels if k in ATTENTION_KERNELS]
             specs += [
-                kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in kernels
+                kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in attn
             ]
+            if fp8:
+                specs += [
+                    kernel_specs(k, dtype, arch, tuple(ds), "fp8")
+                    for ds in groups.values()
+                    for k in attn
+                    if k in FP8_KERNELS
+                ]
+            specs += [s for k in kernels if k in GEMM_MODULES for s in gemm_specs(k, dtype, arch)]
     return specs
 
 
 # %% ../nbs/04a_kernel_resources.ipynb #6d51e2fe
-_POINTEE = {"bt_ptr": "i32", "seqlen_ptr": "i32", "qsl_ptr": "i32", "slot_ptr": "i64"}
+_POINTEE = {
+    "bt_ptr": "i32",
+    "seqlen_ptr": "i32",
+    "qsl_ptr": "i32",
+    "slot_ptr": "i64",
+    "qw_ptr": "i8",  # the int8 GEMM's weight
+    "wscale_ptr": "fp32",  # and its per-channel scales
+    "w_ptr": "fp32",  # fused MoE: routing weights
+    "sorted_ids_ptr": "i32",
+    "block_expert_ptr": "i32",
+}
 
 
 def _signature(fn, spec: KernelSpec) -> tuple[dict, dict]:
@@ -190,6 +255,8 @@ def _signature(fn, spec: KernelSpec) -> tuple[dict, dict]:
         elif n.endswith("_ptr"):
             partial = n in ("pm_ptr", "pl_ptr", "pacc_ptr") and spec.constexprs.get("SPLIT", True)
             sig[n] = "*" + _POINTEE.get(n, "fp32" if partial else dt)
+            if n in ("kc_ptr", "vc_ptr") and spec.kv_cache == "fp8":
+                sig[n] = "*fp8e4nv"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n == "scale_log2":
             sig[n] = "fp32"

@@ -11,11 +11,14 @@ import textwrap
 import pytest
 import torch
 from hetero_infer import kernels
+from hetero_infer import quant_kernels
 from hetero_infer.kernel_resources import (
     ARCHS,
+    ATTENTION_KERNELS,
     KERNELS,
     KernelSpec,
     compile_report,
+    gemm_specs,
     kernel_specs,
     launch_specs,
     report_problems,
@@ -25,7 +28,7 @@ from hetero_infer.kernel_resources import (
 def test_every_specialization_compiles_fits_and_does_not_spill():
     specs = launch_specs()
     report = compile_report(specs)
-    assert len(report) == len(specs) == 210
+    assert len(report) == len(specs) == 366  # 210 attention, 72 fp8-cache, 84 GEMM binaries
     problems = report_problems(report)
     assert not problems, f"{len(problems)} of {len(report)} specializations fail:\n" + "\n".join(
         problems
@@ -89,7 +92,7 @@ class _Recorder:
 def test_the_check_compiles_what_the_launchers_launch(monkeypatch, D, dtype):
     "The launchers (on CPU: sm_80 tiles) pass the constexprs and options launch_specs compiles."
     calls = []
-    for name in set(KERNELS.values()):
+    for name in {KERNELS[k] for k in ATTENTION_KERNELS}:
         monkeypatch.setattr(kernels, name, _Recorder(name, calls))
     q, c = torch.zeros(2, 4, D, dtype=dtype), torch.zeros(4, 16, 2, D, dtype=dtype)
     bt, sl = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
@@ -112,3 +115,36 @@ def test_the_check_compiles_what_the_launchers_launch(monkeypatch, D, dtype):
             spec.num_warps,
             spec.num_stages,
         ), k
+
+
+def test_fp8_cache_launches_what_the_check_compiles(monkeypatch):
+    "With a float8_e4m3fn cache the launchers pass the constexprs of the fp8 specs (sm_89+)."
+    calls = []
+    for name in {KERNELS[k] for k in ATTENTION_KERNELS}:
+        monkeypatch.setattr(kernels, name, _Recorder(name, calls))
+    q = torch.zeros(2, 4, 64, dtype=torch.float16)
+    c = torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    bt, sl = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    k = torch.zeros(2, 2, 64, dtype=torch.float16)
+    kernels.triton_write_kv(k, k, c, c, torch.zeros(2, dtype=torch.long))
+    kernels.triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
+    kernels.triton_paged_prefill_attention(
+        q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0
+    )
+    for (fn, kw), kern in zip(calls, ["write_kv", "decode", "prefill"]):
+        spec = kernel_specs(kern, "float16", "sm_90", (64,), "fp8")
+        assert spec.kv_cache == "fp8" and fn == KERNELS[kern]
+        want = kernel_specs(kern, "float16", "sm_80", (64,), "fp8").constexprs  # CPU: sm_80 tiles
+        assert {n: kw[n] for n in want} == want, kern
+    assert calls[0][1]["FP8"] is True
+
+
+@pytest.mark.parametrize("M", [1, 16, 17, 100])
+def test_int8_gemm_launches_what_the_check_compiles(monkeypatch, M):
+    calls = []
+    name = KERNELS["int8_matmul"]
+    monkeypatch.setattr(quant_kernels, name, _Recorder(name, calls))
+    x, w = torch.zeros(M, 64), torch.zeros(32, 64, dtype=torch.int8)
+    quant_kernels.triton_int8_matmul(x, w, torch.ones(32))
+    specs = gemm_specs("int8_matmul", "float32", "sm_80")
+    assert any({n: calls[0][1][n] for n in s.constexprs} == s.constexprs for s in specs), calls
