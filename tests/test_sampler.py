@@ -881,3 +881,13 @@ def test_each_row_gets_its_own_number_of_top_logprobs():
     _, tops = token_logprobs(x, torch.tensor([0, 4]), [1, 3])
     assert list(tops[0]) == [0]  # the chosen token is the top one
     assert list(tops[1]) == [4, 0, 1, 2]  # chosen first, then the top 3
+
+
+def test_penalty_counts_grow_when_every_row_is_taken():
+    "No free row and none to reclaim: the table doubles, and the new rows start unseen."
+    pc = PenaltyCounts(6, rows=1)
+    a, b = seq([1], [2]), seq([3], [4, 4])
+    rows = pc.update([a, b])
+    assert len(pc.owner) == 2 and tuple(pc.pair_of.shape) == (2, 6)
+    got = sorted(zip(*(t.tolist() for t in pc.pairs(rows))))
+    assert got == [(0, 1, 0.0), (0, 2, 1.0), (1, 3, 0.0), (1, 4, 2.0)]
