@@ -24,23 +24,19 @@ class Scheduler:
 
     def __init__(
         self,
-        # limits: max_num_seqs, max_num_batched_tokens, memory_threshold, max_model_len, ...
-        config: EngineConfig,
-        block_manager: BlockManager,
-    ):  # where the KV blocks come from
+        config: EngineConfig,  # limits: max_num_seqs, max_num_batched_tokens, memory_threshold, ...
+        block_manager: BlockManager,  # where the KV blocks come from
+    ):
         self.config, self.block_manager = config, block_manager
         self.waiting: deque[Sequence] = deque()  # holding no blocks; the front is served first
         self.running: list[Sequence] = []  # holding blocks; in (priority, arrival_time) order
         self.stats = SchedulerStats()
-        self._step_reqs: set[str] = (
-            set()
-        )  # request ids with a sequence scheduled in the step being built
-        self._parked: dict[
-            int, tuple[Sequence, Sequence]
-        ] = {}  # seq_id -> (sibling, leader): waits for the leader to compute their common blocks
-        self._last_out: SchedulerOutput | None = (
-            None  # the latest schedule() result, until update() commits it
-        )
+        # request ids with a sequence scheduled in the step being built
+        self._step_reqs: set[str] = set()
+        # seq_id -> (sibling, leader): waits for the leader to compute their common blocks
+        self._parked: dict[int, tuple[Sequence, Sequence]] = {}
+        # the latest schedule() result, until update() commits it
+        self._last_out: SchedulerOutput | None = None
         self.admission = AdmissionControl(config, block_manager)  # refusals, seats, members
 
     def __repr__(self):

@@ -40,15 +40,12 @@ class SchedulerOutput:
     """What one step runs: sequences (decodes first, then prefill chunks), block copies, and who was
     preempted."""
 
-    scheduled: list[ScheduledSeq] = field(
-        default_factory=list
-    )  # decodes (num_tokens == 1) first, then prefill chunks
-    block_copies: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (src, dst) copy-on-write copies to do before the step
-    preempted: list[Sequence] = field(
-        default_factory=list
-    )  # sent back to waiting this step (recompute)
+    # decodes (num_tokens == 1) first, then prefill chunks
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (src, dst) copy-on-write copies to do before the step
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # sent back to waiting this step (recompute)
+    preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0  # sum of num_tokens over `scheduled`
 
     @property
