@@ -14,8 +14,12 @@ from tqdm.auto import tqdm
 
 from .core import EngineConfig, SamplingParams, RequestOutput
 from .model import dtype_name
-from .tokenization import IncrementalDetokenizer, render_chat  # noqa: F401
-from .llm_engine import LLMEngine, PROMPT_KEYS  # noqa: F401 (the step loop: 07)
+from hetero_infer.tokenization import (  # noqa: F401 (re-exported)
+    PROMPT_KEYS,
+    IncrementalDetokenizer,
+    render_chat,
+)
+from .llm_engine import LLMEngine  # noqa: F401 (the step loop: 07)
 
 # %% auto #0
 __all__ = [
@@ -118,8 +122,9 @@ class LLM:
     (accepted and dropped: see `VLLM_HARMLESS_KWARGS` for what each means here), and
     `tokenizer_mode="auto"`, `skip_tokenizer_init=False`, `revision=None`,
     `tokenizer_revision=None`, `download_dir=None`, `load_format="auto"`,
-    `kv_cache_dtype="auto"`, `cpu_offload_gb=0`, `quantization=None` (this engine's behaviour;
-    another value is a `ValueError`). Any other argument is a `ValueError` naming it.
+    `cpu_offload_gb=0` (this engine's behaviour; another value is a `ValueError`);
+    `quantization` and `kv_cache_dtype` are `EngineConfig` fields (15_quantization).
+    Any other argument is a `ValueError` naming it.
     """
 
     def __init__(self, model: str | Path | None = None, **config):

