@@ -7,6 +7,7 @@ __all__ = [
     "LINE_ENDS",
     "read_prompts",
     "check_utf8",
+    "structured_params",
     "cmd_generate",
     "cmd_demo",
     "cmd_serve",
@@ -61,6 +62,35 @@ def check_utf8(argv: list[str]) -> None:
         raise UsageError(where, f"not UTF-8 text: {raw!r}")
 
 
+_STRUCTURED_FLAGS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def structured_params(args):
+    "The `StructuredOutputsParams` of `--json-schema/--regex/--choice/--grammar`, or None."
+    from hetero_infer.structured_outputs import StructuredOutputsParams
+
+    given = [k for k in _STRUCTURED_FLAGS if getattr(args, k, None) is not None]
+    if not given:
+        return None
+    name, flag = given[0], "--" + given[0].replace("_", "-")
+    value = getattr(args, name)
+    if name in ("json_schema", "grammar"):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except OSError as e:
+            raise UsageError(flag, f"cannot read {value!r}: {e.strerror or e}") from None
+    try:
+        return StructuredOutputsParams(**{_STRUCTURED_FLAGS[name]: value})
+    except ValueError as e:
+        raise UsageError(flag, str(e)) from None
+
+
 def cmd_generate(args) -> int:
     "Complete each prompt and print it with its completion."
     prompts = [p.rstrip(LINE_ENDS) for p in args.input] + list(args.prompts)
@@ -71,6 +101,7 @@ def cmd_generate(args) -> int:
         raise UsageError(
             "prompts", "give at least one prompt (as arguments, with --input, or on stdin)"
         )
+    constraint = structured_params(args)  # UsageError naming its flag
     try:
         params = SamplingParams(
             n=args.n,
@@ -80,6 +111,7 @@ def cmd_generate(args) -> int:
             seed=args.seed,
             max_tokens=args.max_tokens,
             stop=args.stop,
+            structured_outputs=constraint,
         )
     except ValueError as e:
         raise UsageError("--" + str(e).split(" ", 1)[0].replace("_", "-"), str(e)) from None

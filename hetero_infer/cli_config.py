@@ -188,6 +188,8 @@ def serve_options(args) -> dict:
         log_level=args.log_level,
     )
     opts.update({k: getattr(args, k) for k in CORS_FIELDS if getattr(args, k, None) is not None})
+    if getattr(args, "tool_call_parser", None) is not None:
+        opts["tool_call_parser"] = args.tool_call_parser
     if not (isinstance(opts["port"], int) and 0 <= opts["port"] <= 65535):
         raise UsageError("--port", f"must be in [0, 65535], got {opts['port']!r}")
     if opts["max_queued_requests"] is not None and opts["max_queued_requests"] < 1:

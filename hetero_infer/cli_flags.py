@@ -17,6 +17,7 @@ from hetero_infer.core import (
     EngineConfig,
     ServingConfig,
 )
+from .quantization import KV_CACHE_DTYPES, QUANTIZATION_MODES
 
 # %% auto #0
 __all__ = ["ENGINE_FLAGS", "COMMANDS", "seed_argv", "UsageError", "build_parser", "hpi_argv"]
@@ -91,6 +92,10 @@ ENGINE_FLAGS = {
         "shortest n-gram --speculative-method ngram matches"),
     "prompt_lookup_max": (["--prompt-lookup-max"], int, None,
         "longest n-gram --speculative-method ngram tries first"),
+    "quantization": (["--quantization", "-q"], str, QUANTIZATION_MODES,
+        "linear weights quantized at load: int8 or w8a8 (15_quantization; default: off)"),
+    "kv_cache_dtype": (["--kv-cache-dtype"], str, KV_CACHE_DTYPES,
+        "KV-cache element type; auto = the model's dtype, fp8 = half its bytes (15)"),
 }
 # fmt: on
 
@@ -214,6 +219,26 @@ def _add_generate(sub):
     g.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt (default: off)"
     )
+    c = g.add_mutually_exclusive_group()  # 14_structured_outputs: at most one constraint
+    c.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="outputs are JSON valid under this schema file (default: none)",
+    )
+    c.add_argument(
+        "--regex", metavar="R", help="outputs match this regular expression (default: none)"
+    )
+    c.add_argument(
+        "--choice",
+        nargs="+",
+        metavar="TEXT",
+        help="outputs are one of these strings (default: none)",
+    )
+    c.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="outputs follow this EBNF grammar file (xgrammar's; default: none)",
+    )
 
 
 def _add_serve(sub):
@@ -293,6 +318,13 @@ def _add_serve(sub):
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default: info)",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="tool-call format parsed for tool_choice auto (default: guessed from the chat "
+        "template: <tool_call> tags are hermes, <|python_tag|> is llama3_json, else none)",
     )
 
 
