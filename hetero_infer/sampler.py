@@ -63,6 +63,19 @@ def _banned_ids(seq: Sequence, eos_token_ids) -> list[int]:
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
 
 
+def _ban(x: torch.Tensor, bans: list[list[int]]) -> torch.Tensor:
+    "Banned ids of each row of `x` to -inf in place, except on a row that would have none left."
+    rows = x.new_tensor([i for i, b in enumerate(bans) for _ in b], dtype=torch.long)
+    cols = x.new_tensor([t for b in bans for t in b], dtype=torch.long)
+    kept = x[rows, cols]
+    x[rows, cols] = float("-inf")
+    dead = torch.isneginf(x).all(-1)  # a grammar (14) that allows only stop tokens: it wins
+    if dead.any():
+        back = dead[rows]
+        x[rows[back], cols[back]] = kept[back]
+    return x
+
+
 def _row_noise(seq: Sequence, V: int, device, generator: torch.Generator | None) -> torch.Tensor:
     "Exp(1) noise (V,) for one row: from the row's own seeded generator, or from the shared one."
     if seq.params.seed is not None:
@@ -248,9 +261,7 @@ class Sampler:
         x = self._penalize(x, seqs)
         bans = [[t for t in _banned_ids(s, self.eos_token_ids) if t < V] for s in seqs]
         if any(bans):  # after the penalties is the same: they keep -inf at -inf
-            x = x.clone() if x is logits else x
-            rows = _col(x, [i for i, b in enumerate(bans) for _ in b], torch.long)
-            x[rows, _col(x, [t for b in bans for t in b], torch.long)] = float("-inf")
+            x = _ban(x.clone() if x is logits else x, bans)
         return x
 
     def sample_random(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
