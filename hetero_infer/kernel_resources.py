@@ -24,7 +24,8 @@ __all__ = [
     "KERNELS",
     "ATTENTION_KERNELS",
     "FP8_KERNELS",
-    "GEMM_MODULES",
+    "GEMM_KERNELS",
+    "KERNEL_MODULES",
     "DTYPES",
     "HEAD_DIMS",
     "USAGE_CACHE",
@@ -103,10 +104,14 @@ KERNELS = {
 }
 ATTENTION_KERNELS = ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")
 FP8_KERNELS = ("write_kv", "decode", "decode_split", "prefill")  # those that touch the cache
-GEMM_MODULES = {
-    "int8_matmul": "hetero_infer.quant_kernels",
-    "fused_moe": "hetero_infer.moe_kernels",
+GEMM_KERNELS = ("int8_matmul", "fused_moe")
+KERNEL_MODULES = {  # where each kernel is defined
+    **dict.fromkeys(("write_kv", "decode", "decode_split", "reduce_splits"), "decode_kernels"),
+    "prefill": "prefill_kernels",
+    "int8_matmul": "quant_kernels",
+    "fused_moe": "moe_kernels",
 }
+KERNEL_MODULES = {k: f"hetero_infer.{m}" for k, m in KERNEL_MODULES.items()}
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 HEAD_DIMS = (64, 80, 96, 112, 128, 256)
 
@@ -122,7 +127,7 @@ class KernelSpec:
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 3
-    module: str = "hetero_infer.kernels"  # the kernel's module (tests: a broken one)
+    module: str = ""  # the kernel's module; "" = KERNEL_MODULES[kernel] (tests: a broken one)
     fn: str = ""  # the @triton.jit function; "" = KERNELS[kernel]
     kv_cache: str = "auto"  # "fp8": the cache pointers are float8e4nv
 
@@ -142,15 +147,15 @@ def kernel_specs(
     head_dims: tuple,
     kv_cache: str = "auto",  # "fp8": the binary for a float8_e4m3fn cache
 ) -> KernelSpec:
-    "The binary `kernels`' launcher builds for `kernel` on this dtype, GPU and head size(s)."
+    "The binary the attention launchers build for `kernel` on this dtype, GPU and head size(s)."
     D, dt, cap = head_dims[0], getattr(torch, dtype), ARCHS[arch].capability
-    fp32, kv = dtype == "float32", dict(kv_cache=kv_cache)
+    fp32, kv = dtype == "float32", dict(kv_cache=kv_cache, module=KERNEL_MODULES.get(kernel, ""))
     if kernel == "write_kv":
         return KernelSpec(
             kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D), FP8=kv_cache == "fp8"), **kv
         )
     if kernel == "reduce_splits":
-        return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)))
+        return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)), **kv)
     if kernel in ("decode", "decode_split"):
         t = attention_tiles("decode", D, dt, cap)
         cx = dict(
@@ -173,7 +178,7 @@ def gemm_specs(kernel: str, dtype: str, arch: str) -> list[KernelSpec]:
     from hetero_infer.moe_kernels import fused_moe_tiles
     from hetero_infer.quant_kernels import int8_matmul_tiles
 
-    mod = dict(module=GEMM_MODULES.get(kernel, ""))
+    mod = dict(module=KERNEL_MODULES.get(kernel, ""))
     if kernel == "int8_matmul":  # decode batches (<= 16 rows) and beyond
         tiles = {int8_matmul_tiles(M) for M in (1, 17)}
         cxs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk) for bm, bn, bk in sorted(tiles)]
@@ -193,7 +198,7 @@ def gemm_specs(kernel: str, dtype: str, arch: str) -> list[KernelSpec]:
             for g in (True, False)
             for bm, bn, bk in tiles
         ]
-    raise ValueError(f"kernel must be one of {list(GEMM_MODULES)}, got {kernel!r}")
+    raise ValueError(f"kernel must be one of {list(GEMM_KERNELS)}, got {kernel!r}")
 
 
 def launch_specs(
@@ -220,7 +225,7 @@ def launch_specs(
                     for k in attn
                     if k in FP8_KERNELS
                 ]
-            specs += [s for k in kernels if k in GEMM_MODULES for s in gemm_specs(k, dtype, arch)]
+            specs += [s for k in kernels if k in GEMM_KERNELS for s in gemm_specs(k, dtype, arch)]
     return specs
 
 
@@ -327,7 +332,8 @@ def compile_spec(spec: KernelSpec) -> dict:
 
     arch, t0 = ARCHS[spec.arch], time.time()
     try:
-        fn = getattr(importlib.import_module(spec.module), spec.fn or KERNELS[spec.kernel])
+        module = importlib.import_module(spec.module or KERNEL_MODULES[spec.kernel])
+        fn = getattr(module, spec.fn or KERNELS[spec.kernel])
         sig, attrs = _signature(fn, spec)
         src = triton.compiler.ASTSource(
             fn=fn, signature=sig, constexprs=dict(spec.constexprs), attrs=attrs

@@ -6,6 +6,7 @@ compile for its target, fit that GPU's shared memory per block and spill no regi
 in worker processes without TRITON_INTERPRET; Triton's own content-addressed cache makes a rerun
 with unchanged kernels fast."""
 
+import importlib
 import os
 import textwrap
 import pytest
@@ -15,6 +16,7 @@ from hetero_infer import quant_kernels
 from hetero_infer.kernel_resources import (
     ARCHS,
     ATTENTION_KERNELS,
+    KERNEL_MODULES,
     KERNELS,
     KernelSpec,
     compile_report,
@@ -86,14 +88,20 @@ class _Recorder:
         return launch
 
 
+def _record_attention_kernels(monkeypatch, calls):
+    "Replace each attention kernel, in the module that defines and launches it, by a recorder."
+    for k in ATTENTION_KERNELS:
+        mod = importlib.import_module(KERNEL_MODULES[k])
+        monkeypatch.setattr(mod, KERNELS[k], _Recorder(KERNELS[k], calls))
+
+
 @pytest.mark.parametrize(
     "D,dtype", [(64, torch.float16), (96, torch.float32), (256, torch.float16)]
 )
 def test_the_check_compiles_what_the_launchers_launch(monkeypatch, D, dtype):
     "The launchers (on CPU: sm_80 tiles) pass the constexprs and options launch_specs compiles."
     calls = []
-    for name in {KERNELS[k] for k in ATTENTION_KERNELS}:
-        monkeypatch.setattr(kernels, name, _Recorder(name, calls))
+    _record_attention_kernels(monkeypatch, calls)
     q, c = torch.zeros(2, 4, D, dtype=dtype), torch.zeros(4, 16, 2, D, dtype=dtype)
     bt, sl = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     kernels.triton_write_kv(c[0, :2], c[0, :2], c, c, torch.zeros(2, dtype=torch.long))
@@ -120,8 +128,7 @@ def test_the_check_compiles_what_the_launchers_launch(monkeypatch, D, dtype):
 def test_fp8_cache_launches_what_the_check_compiles(monkeypatch):
     "With a float8_e4m3fn cache the launchers pass the constexprs of the fp8 specs (sm_89+)."
     calls = []
-    for name in {KERNELS[k] for k in ATTENTION_KERNELS}:
-        monkeypatch.setattr(kernels, name, _Recorder(name, calls))
+    _record_attention_kernels(monkeypatch, calls)
     q = torch.zeros(2, 4, 64, dtype=torch.float16)
     c = torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn)
     bt, sl = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
