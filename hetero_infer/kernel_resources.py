@@ -5,7 +5,6 @@
 # %% ../nbs/04a_kernel_resources.ipynb #1898c962
 from __future__ import annotations
 import json
-import math
 import os
 import re
 import shutil
@@ -14,13 +13,16 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, asdict
-import torch
-from .kernels import FP8_CAPABILITY, attention_tiles, block_d, supports_bf16
+from dataclasses import asdict
+from .compile_targets import ARCHS, ATTENTION_KERNELS, DTYPES, FP8_KERNELS
+from .compile_targets import GEMM_KERNELS, HEAD_DIMS, KERNEL_MODULES, KERNELS
+from .compile_targets import GpuArch, KernelSpec, gemm_specs, kernel_specs
+from .compile_targets import launch_specs, occupancy
 
-# %% auto #0
-__all__ = [
+_all_ = [
+    "GpuArch",
     "ARCHS",
+    "occupancy",
     "KERNELS",
     "ATTENTION_KERNELS",
     "FP8_KERNELS",
@@ -28,206 +30,33 @@ __all__ = [
     "KERNEL_MODULES",
     "DTYPES",
     "HEAD_DIMS",
-    "USAGE_CACHE",
-    "GpuArch",
-    "occupancy",
     "KernelSpec",
     "kernel_specs",
     "gemm_specs",
     "launch_specs",
+]  # re-exported from compile_targets: what to compile, for which GPU
+
+# %% auto #0
+__all__ = [
+    "USAGE_CACHE",
     "compile_spec",
     "compile_report",
     "report_problems",
+    "GpuArch",
+    "ARCHS",
+    "occupancy",
+    "KERNELS",
+    "ATTENTION_KERNELS",
+    "FP8_KERNELS",
+    "GEMM_KERNELS",
+    "KERNEL_MODULES",
+    "DTYPES",
+    "HEAD_DIMS",
+    "KernelSpec",
+    "kernel_specs",
+    "gemm_specs",
+    "launch_specs",
 ]
-
-
-# %% ../nbs/04a_kernel_resources.ipynb #70760dc1
-@dataclass(frozen=True)
-class GpuArch:
-    "The per-SM limits of one compute capability: does it launch, how many blocks fit."
-
-    name: str  # "sm_80"
-    capability: tuple  # (8, 0)
-    example: str  # a GPU readers have
-    shared_per_block: int  # bytes of shared memory one block may use (opt-in maximum)
-    shared_per_sm: int  # bytes of shared memory per SM
-    reserved_per_block: int  # bytes the driver reserves per resident block
-    max_warps: int  # resident warps per SM
-    max_blocks: int  # resident blocks per SM
-    registers: int = 65536  # 32-bit registers per SM
-    max_regs_per_thread: int = 255
-
-
-ARCHS = {
-    a.name: a
-    for a in [
-        GpuArch("sm_75", (7, 5), "T4, RTX 20", 64 * 1024, 64 * 1024, 0, 32, 16),
-        GpuArch("sm_80", (8, 0), "A100", 163 * 1024, 164 * 1024, 1024, 64, 32),
-        GpuArch("sm_86", (8, 6), "RTX 30, A10", 99 * 1024, 100 * 1024, 1024, 48, 16),
-        GpuArch("sm_89", (8, 9), "RTX 40, L4", 99 * 1024, 100 * 1024, 1024, 48, 24),
-        GpuArch("sm_90", (9, 0), "H100, H200", 227 * 1024, 228 * 1024, 1024, 64, 32),
-    ]
-}
-
-
-# %% ../nbs/04a_kernel_resources.ipynb #e95f41a0
-def occupancy(
-    regs: int,  # registers per thread
-    shared: int,  # bytes of shared memory per block
-    num_warps: int,  # warps per block
-    arch: GpuArch,
-) -> tuple[int, float, str]:
-    "(blocks per SM, resident warps / max warps, the limit that binds: regs/shared/warps/blocks)."
-    regs_per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
-    limits = {
-        "registers": arch.registers // regs_per_warp // num_warps,
-        "shared": arch.shared_per_sm // (shared + arch.reserved_per_block)
-        if shared + arch.reserved_per_block
-        else arch.max_blocks,
-        "warps": arch.max_warps // num_warps,
-        "blocks": arch.max_blocks,
-    }
-    limiter = min(limits, key=limits.get)
-    blocks = limits[limiter]
-    return blocks, blocks * num_warps / arch.max_warps, limiter
-
-
-# %% ../nbs/04a_kernel_resources.ipynb #1608d7e0
-KERNELS = {
-    "write_kv": "_write_kv_kernel",
-    "decode": "_decode_kernel",
-    "decode_split": "_decode_kernel",
-    "reduce_splits": "_reduce_splits_kernel",
-    "prefill": "_prefill_kernel",
-    "int8_matmul": "_int8_weight_matmul_kernel",  # quant_kernels (15)
-    "fused_moe": "_fused_moe_kernel",  # moe_kernels (16)
-}
-ATTENTION_KERNELS = ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")
-FP8_KERNELS = ("write_kv", "decode", "decode_split", "prefill")  # those that touch the cache
-GEMM_KERNELS = ("int8_matmul", "fused_moe")
-KERNEL_MODULES = {  # where each kernel is defined
-    **dict.fromkeys(("write_kv", "decode", "decode_split", "reduce_splits"), "decode_kernels"),
-    "prefill": "prefill_kernels",
-    "int8_matmul": "quant_kernels",
-    "fused_moe": "moe_kernels",
-}
-KERNEL_MODULES = {k: f"hetero_infer.{m}" for k, m in KERNEL_MODULES.items()}
-DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-HEAD_DIMS = (64, 80, 96, 112, 128, 256)
-
-
-@dataclass
-class KernelSpec:
-    "One binary to compile: kernel, constexprs, launch options, the cache dtype, the target GPU."
-
-    kernel: str  # a key of KERNELS
-    dtype: str  # "float16", "bfloat16" or "float32"
-    arch: str  # a key of ARCHS
-    head_dims: tuple  # the head sizes this binary serves
-    constexprs: dict
-    num_warps: int = 4
-    num_stages: int = 3
-    module: str = ""  # the kernel's module; "" = KERNEL_MODULES[kernel] (tests: a broken one)
-    fn: str = ""  # the @triton.jit function; "" = KERNELS[kernel]
-    kv_cache: str = "auto"  # "fp8": the cache pointers are float8e4nv
-
-    @property
-    def label(self) -> str:
-        "Names the kernel, its constexprs and the target, as a failure message must."
-        cx = ", ".join(f"{k}={v}" for k, v in self.constexprs.items())
-        opts = f"num_warps={self.num_warps} num_stages={self.num_stages}"
-        kv = ", fp8 cache" if self.kv_cache == "fp8" else ""
-        return f"{self.fn or KERNELS[self.kernel]}[{cx}] {opts} ({self.dtype}{kv}, {self.arch})"
-
-
-def kernel_specs(
-    kernel: str,
-    dtype: str,
-    arch: str,
-    head_dims: tuple,
-    kv_cache: str = "auto",  # "fp8": the binary for a float8_e4m3fn cache
-) -> KernelSpec:
-    "The binary the attention launchers build for `kernel` on this dtype, GPU and head size(s)."
-    D, dt, cap = head_dims[0], getattr(torch, dtype), ARCHS[arch].capability
-    fp32, kv = dtype == "float32", dict(kv_cache=kv_cache, module=KERNEL_MODULES.get(kernel, ""))
-    if kernel == "write_kv":
-        return KernelSpec(
-            kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D), FP8=kv_cache == "fp8"), **kv
-        )
-    if kernel == "reduce_splits":
-        return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)), **kv)
-    if kernel in ("decode", "decode_split"):
-        t = attention_tiles("decode", D, dt, cap)
-        cx = dict(
-            BLOCK_G=t.block_m,
-            BLOCK_D=block_d(D),
-            BLOCK_N=t.block_n,
-            SPLIT=kernel == "decode_split",
-            IS_FP32=fp32,
-        )
-        return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
-    if kernel == "prefill":
-        t = attention_tiles("prefill", D, dt, cap)
-        cx = dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32)
-        return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
-    raise ValueError(f"kernel must be one of {list(ATTENTION_KERNELS)}, got {kernel!r}")
-
-
-def gemm_specs(kernel: str, dtype: str, arch: str) -> list[KernelSpec]:
-    "The binaries of the int8-weight GEMM (15) or the fused-MoE GEMM (16): one per row tile."
-    from hetero_infer.moe_kernels import fused_moe_tiles
-    from hetero_infer.quant_kernels import int8_matmul_tiles
-
-    mod = dict(module=KERNEL_MODULES.get(kernel, ""))
-    if kernel == "int8_matmul":  # decode batches (<= 16 rows) and beyond
-        tiles = {int8_matmul_tiles(M) for M in (1, 17)}
-        cxs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk) for bm, bn, bk in sorted(tiles)]
-        return [KernelSpec(kernel, dtype, arch, (64,), cx, **mod) for cx in cxs]
-    if kernel == "fused_moe":  # few pairs per expert (16-row tiles) and many; gated and plain
-        dt = getattr(torch, dtype)
-        tiles = sorted({fused_moe_tiles(n, 8, dt) for n in (8, 8 * 17)})
-        return [
-            KernelSpec(
-                kernel,
-                dtype,
-                arch,
-                (64,),
-                dict(GATED=g, MUL_WEIGHT=not g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
-                **mod,
-            )  # fmt: skip
-            for g in (True, False)
-            for bm, bn, bk in tiles
-        ]
-    raise ValueError(f"kernel must be one of {list(GEMM_KERNELS)}, got {kernel!r}")
-
-
-def launch_specs(
-    archs=tuple(ARCHS), dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, kernels=tuple(KERNELS)
-) -> list[KernelSpec]:
-    "Every distinct binary the engine can launch for these GPUs, dtypes and head sizes."
-    specs = []
-    for arch in archs:
-        fp8 = tuple(ARCHS[arch].capability) >= FP8_CAPABILITY
-        for dtype in dtypes:
-            if dtype == "bfloat16" and not supports_bf16(ARCHS[arch].capability):
-                continue
-            groups = {}
-            for D in head_dims:
-                groups.setdefault((block_d(D), D % 16 == 0), []).append(D)  # one binary per group
-            attn = [k for k in kernels if k in ATTENTION_KERNELS]
-            specs += [
-                kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in attn
-            ]
-            if fp8:
-                specs += [
-                    kernel_specs(k, dtype, arch, tuple(ds), "fp8")
-                    for ds in groups.values()
-                    for k in attn
-                    if k in FP8_KERNELS
-                ]
-            specs += [s for k in kernels if k in GEMM_KERNELS for s in gemm_specs(k, dtype, arch)]
-    return specs
-
 
 # %% ../nbs/04a_kernel_resources.ipynb #6d51e2fe
 _POINTEE = {
