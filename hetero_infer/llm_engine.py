@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -18,12 +17,12 @@ from hetero_infer.core import (
     SamplingParams,
     Sequence,
     SequenceStatus,
-    CompletionOutput,
     RequestOutput,
     RequestMetrics,
     DEMO_MODEL_DIR,
 )
 from .block_manager import BlockManager
+from .request_state import RequestState
 from hetero_infer.tokenization import (
     IncrementalDetokenizer,
     eos_token_ids,
@@ -38,25 +37,6 @@ from .sampler import Sampler
 
 # %% auto #0
 __all__ = ["LLMEngine"]
-
-
-# %% ../nbs/07_engine.ipynb #ac5819d8
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    detok: dict = field(default_factory=dict)  # seq_id -> IncrementalDetokenizer
-    text: dict = field(default_factory=dict)  # seq_id -> text so far (stop string cut)
-    logprobs: dict = field(default_factory=dict)  # seq_id -> list of {token: Logprob}
-    cum_logprob: dict = field(default_factory=dict)  # seq_id -> float
-    stop_reason: dict = field(default_factory=dict)  # seq_id -> stop token id or string
-    finished: bool = False
-    failures: int = 0  # steps with this request in them that raised
-    error: str | None = None  # set when it failed for good: finish_reason "error"
 
 
 # %% ../nbs/07_engine.ipynb #703ef4cf
@@ -83,7 +63,7 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.speculator = self._speculator()  # None, or the StepPlugin of 12
         self.plugin = self.speculator or StepPlugin()
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._finished_aborts: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self.counters = Counter()
@@ -142,7 +122,7 @@ class LLMEngine:
             self.scheduler.add(seq)  # raises ValueError when it can never fit the cache
         else:  # 14: held out of the scheduler until its grammar is compiled
             self._structured().add(seq)
-        req = _Request(request_id, text, ids, params, [seq], RequestMetrics(now))
+        req = RequestState(request_id, text, ids, params, [seq], RequestMetrics(now))
         self._track(req, seq)
         self.requests[request_id] = req
         self.counters["requests"] += 1
@@ -156,7 +136,7 @@ class LLMEngine:
             self.structured = StructuredStep(self)
         return self.structured
 
-    def _track(self, req: _Request, seq: Sequence) -> None:
+    def _track(self, req: RequestState, seq: Sequence) -> None:
         "Start the per-sequence text state of `seq`."
         if self.tokenizer is not None and req.params.detokenize:  # no text asked: no detokenizer
             req.detok[seq.seq_id] = IncrementalDetokenizer(
@@ -287,7 +267,7 @@ class LLMEngine:
 
     # --- one token, and the stop checks ---
     def _append(
-        self, req: _Request, seq: Sequence, token: int, logprob: float, top: dict | None
+        self, req: RequestState, seq: Sequence, token: int, logprob: float, top: dict | None
     ) -> None:
         "Add one sampled token to `seq`: its text, logprobs, and the stop checks."
         p, now = req.params, time.monotonic()
@@ -332,7 +312,7 @@ class LLMEngine:
             self._finish_seq(req, seq, status, reason)
 
     def _finish_seq(
-        self, req: _Request, seq: Sequence, status: SequenceStatus, reason=None
+        self, req: RequestState, seq: Sequence, status: SequenceStatus, reason=None
     ) -> None:
         "`seq` leaves the scheduler (blocks freed); its request finishes with its last sequence."
         self.scheduler.finish(seq, status)
@@ -341,38 +321,11 @@ class LLMEngine:
             req.finished, req.metrics.finished_time = True, time.monotonic()
 
     # --- outputs, aborts, stats ---
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, req: RequestState) -> RequestOutput:
         "The request's `RequestOutput` so far (a finished request leaves the engine)."
-        hold = max((len(s) for s in req.params.stop), default=1) - 1
-        outs = []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
-            text = req.text[seq.seq_id]
-            if not seq.finished and hold:
-                text = text[: max(0, len(text) - hold)]
-            outs.append(
-                CompletionOutput(
-                    seq.index,
-                    text,
-                    list(seq.output_token_ids),
-                    req.cum_logprob[seq.seq_id],
-                    req.logprobs[seq.seq_id] if req.params.logprobs is not None else None,
-                    seq.status.finish_reason,
-                    req.stop_reason.get(seq.seq_id),
-                )
-            )
         if req.finished:
             del self.requests[req.request_id]
-        cached = max(s.num_cached_tokens for s in req.seqs)
-        return RequestOutput(
-            req.request_id,
-            req.prompt,
-            req.prompt_token_ids,
-            outs,
-            req.finished,
-            req.metrics,
-            cached,
-            error=req.error,
-        )
+        return req.output()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         "Stop requests now and free their blocks; final outputs ('abort') come with the next step."
