@@ -148,6 +148,16 @@ class ServerMetrics:
                 "Tokens emitted per verification (accepted + 1) since start",
                 sp["mean_accepted_length"],
             )
+        so = s.get("structured_outputs", {})  # 14_structured_outputs, once a request asked
+        yield C("structured_outputs_requests", "Sequences with a grammar", so.get("submitted", 0))
+        yield C(
+            "structured_outputs_compiles", "Grammars compiled (cache misses)", so.get("compiled", 0)
+        )
+        yield C(
+            "structured_outputs_mask_seconds",
+            "Seconds spent filling and applying grammar masks",
+            so.get("mask_seconds", 0.0),
+        )
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

@@ -267,3 +267,13 @@ def test_malformed_fields_are_400s_naming_them(client, extra, param):
     assert e.value.body["param"] == param, e.value.body
     r = client.chat.completions.create(messages=MSGS, **{**KW, "max_tokens": 2})
     assert r.choices[0].finish_reason == "length"  # the engine goes on
+
+
+def test_metrics_count_grammars(server, client):
+    import httpx
+
+    client.completions.create(prompt="x", extra_body={"guided_choice": ["a", "b"]}, **KW)
+    text = httpx.get(server + "/metrics").text
+    for name in ("requests", "compiles", "mask_seconds"):
+        m = re.search(rf"^hetero_infer:structured_outputs_{name}_total (\S+)$", text, re.M)
+        assert m and float(m[1]) > 0, name
