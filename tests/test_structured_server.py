@@ -277,3 +277,19 @@ def test_metrics_count_grammars(server, client):
     for name in ("requests", "compiles", "mask_seconds"):
         m = re.search(rf"^hetero_infer:structured_outputs_{name}_total (\S+)$", text, re.M)
         assert m and float(m[1]) > 0, name
+
+
+@pytest.mark.parametrize("choice", ["none", "auto"])
+def test_none_and_auto_leave_the_model_free(client, choice):
+    """none: tools rendered, text back; auto (Hermes template here): parsed, and random weights
+    call nothing, so the text comes back as content, streamed the same way."""
+    kw = dict(messages=MSGS, tools=TOOLS, tool_choice=choice, seed=1, **{**KW, "max_tokens": 8})
+    r = client.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.message.content and not ch.message.tool_calls
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kw)
+        if c.choices
+    )
+    assert text == ch.message.content
