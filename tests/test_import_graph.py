@@ -90,3 +90,28 @@ def test_attention_backends_flow_one_way():
 def test_cycle_finder():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    "Every module `start` imports, directly or through others."
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph.get(todo.pop(), ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def test_the_engine_imports_neither_speculation_nor_parallelism():
+    """Chapters 12 and 13 plug into the step through plugins.py (issue 24): engine.py and
+    llm_engine.py reach neither speculative nor parallel, even through other modules."""
+    g = import_graph()
+    for mod in ("engine", "llm_engine"):
+        assert not reachable(g, mod) & {"speculative", "proposers", "parallel", "tp_shards"}, mod
+    assert {"speculative", "parallel"} <= g["__init__"]  # the package registers both
+
+
+def test_reachable():
+    assert reachable({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, "a") == {"a", "b", "c"}
+    assert reachable({"a": set()}, "a") == set()
