@@ -12,8 +12,19 @@ from pathlib import Path
 from .hpi_config import hpi_to_ours, is_hpi_format
 
 # %% auto #0
-__all__ = ['DTYPES', 'DTYPE_ALIASES', 'DEVICES', 'ATTENTION_BACKENDS', 'DEFAULT_HOST', 'DEFAULT_PORT', 'SPECULATIVE_METHODS',
-           'ServingConfig', 'resolve_model_path', 'EngineConfig']
+__all__ = [
+    "DTYPES",
+    "DTYPE_ALIASES",
+    "DEVICES",
+    "ATTENTION_BACKENDS",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "SPECULATIVE_METHODS",
+    "ServingConfig",
+    "resolve_model_path",
+    "EngineConfig",
+]
+
 
 # %% ../nbs/00_core.ipynb #2c4dbc4b
 def _check(ok: bool, name: str, msg: str):
@@ -28,6 +39,7 @@ def _is_int(v) -> bool:
 
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
 
 # %% ../nbs/00_core.ipynb #02a46072
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -93,6 +105,7 @@ class ServingConfig:
             f"must be an integer >= 1, got {self.max_queued_requests!r}",
         )
 
+
 # %% ../nbs/00_core.ipynb #56a43acf
 def resolve_model_path(path, field: str = "model") -> str:
     "`path` with `~` expanded; ValueError naming `field` unless it is a local directory."
@@ -119,6 +132,7 @@ def resolve_model_path(path, field: str = "model") -> str:
             f"{path} --local-dir ./{parts[1]}`), copy the directory here, and pass ./{parts[1]}"
         )
     raise ValueError(f"{field}: no such directory: {path}")
+
 
 # %% ../nbs/00_core.ipynb #d089d396
 @dataclass
