@@ -222,3 +222,18 @@ def test_speculative_decoding_is_refused_by_name(model_dir):
         assert not eng.has_unfinished_requests()
     finally:
         eng.close()
+
+
+def test_abort_while_compiling_and_failed_admission(engine):
+    """A request aborted while its grammar may still compile ends 'abort' and leaves no matcher;
+    one that could never fit the cache is refused at once; the engine goes on."""
+    fresh = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(40)}}
+    engine.add_request("gone", [BOS, 16], sampled(StructuredOutputsParams(json=fresh)))
+    engine.abort_request("gone")
+    outs = run(engine, {})
+    assert outs["gone"].outputs[0].finish_reason == "abort"
+    engine.step()  # the seam forgets finished sequences before each step
+    assert engine.structured.stats["live"] == 0 and engine.structured.stats["held"] == 0
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", [BOS] * 600, sampled(StructuredOutputsParams(choice=["a"])))
+    assert "long" not in engine.requests and engine.structured.stats["live"] == 0
