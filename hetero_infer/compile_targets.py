@@ -144,7 +144,7 @@ def kernel_specs(
     if kernel == "reduce_splits":
         return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)), **kv)
     if kernel in ("decode", "decode_split"):
-        t = attention_tiles("decode", D, dt, cap)
+        t = attention_tiles("decode", D, dt, cap, kv_cache == "fp8")
         cx = dict(
             BLOCK_G=t.block_m,
             BLOCK_D=block_d(D),
@@ -154,7 +154,7 @@ def kernel_specs(
         )
         return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
     if kernel == "prefill":
-        t = attention_tiles("prefill", D, dt, cap)
+        t = attention_tiles("prefill", D, dt, cap, kv_cache == "fp8")
         cx = dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32)
         return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
     raise ValueError(f"kernel must be one of {list(ATTENTION_KERNELS)}, got {kernel!r}")
@@ -167,7 +167,7 @@ def gemm_specs(kernel: str, dtype: str, arch: str) -> list[KernelSpec]:
 
     mod = dict(module=KERNEL_MODULES.get(kernel, ""))
     if kernel == "int8_matmul":  # decode batches (<= 16 rows) and beyond
-        tiles = {int8_matmul_tiles(M) for M in (1, 17)}
+        tiles = {int8_matmul_tiles(M, getattr(torch, dtype)) for M in (1, 17)}
         cxs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk) for bm, bn, bk in sorted(tiles)]
         return [KernelSpec(kernel, dtype, arch, (64,), cx, **mod) for cx in cxs]
     if kernel == "fused_moe":  # few pairs per expert (16-row tiles) and many; gated and plain
@@ -205,12 +205,14 @@ def launch_specs(
             specs += [
                 kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in attn
             ]
-            if fp8:
+            if fp8 and dtype != "float32":  # fp32 + fp8 cache: the torch backend (it spills)
                 specs += [
                     kernel_specs(k, dtype, arch, tuple(ds), "fp8")
                     for ds in groups.values()
                     for k in attn
                     if k in FP8_KERNELS
                 ]
-            specs += [s for k in kernels if k in GEMM_KERNELS for s in gemm_specs(k, dtype, arch)]
+            if supports_bf16(ARCHS[arch].capability):  # sm_80 on: the GEMMs spill on a T4
+                gemm = [k for k in kernels if k in GEMM_KERNELS]
+                specs += [s for k in gemm for s in gemm_specs(k, dtype, arch)]
     return specs

@@ -264,7 +264,7 @@ def triton_paged_decode_attention(
         ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
         num_splits = num_decode_splits(S, Hkv, min(ctx, window or ctx), _num_sms(q.device))
     split = num_splits > 1
-    t = attention_tiles("decode", D, q.dtype, _capability(q.device))
+    t = attention_tiles("decode", D, q.dtype, _capability(q.device), k_cache.dtype != q.dtype)
     if split:
         pm = torch.empty(S, Hq, num_splits, device=q.device, dtype=torch.float32)  # partial max
         pl = torch.empty_like(pm)  # partial sum

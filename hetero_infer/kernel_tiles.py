@@ -88,13 +88,22 @@ def supports_bf16(capability: tuple[int, int]) -> bool:
 def attention_tiles(
     kind: str,  # "decode" or "prefill"
     head_dim: int,  # D; tiles are sized by block_d(D)
-    dtype: torch.dtype,  # the cache dtype
+    dtype: torch.dtype,  # the queries' dtype (the cache's, unless the cache is fp8)
     capability: tuple[int, int] = (8, 0),  # compute capability of the GPU
+    kv_fp8: bool = False,  # an fp8 cache: each K/V tile is held twice (fp8, converted)
 ) -> KernelTiles:
     "Tiles that compile without spills, within shared memory, on sm_75..sm_90 (checked in 04a)."
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind must be 'decode' or 'prefill', got {kind!r}")
-    bd, wide = block_d(head_dim), block_d(head_dim) > 128
+    t = _tiles(kind, block_d(head_dim), dtype, capability)
+    if kv_fp8:  # half the keys per tile keeps the converted copies in registers
+        t = KernelTiles(t.block_m, max(16, t.block_n // 2), t.num_warps, t.num_stages)
+    return t
+
+
+def _tiles(kind: str, bd: int, dtype: torch.dtype, capability: tuple[int, int]) -> KernelTiles:
+    "attention_tiles for a cache in the queries' dtype."
+    wide = bd > 128
     if uses_tensor_cores(
         dtype, capability
     ):  # MMA: operands stream through shared memory, accumulators in registers

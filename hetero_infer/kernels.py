@@ -124,6 +124,11 @@ def triton_unsupported(
                 "dtype=bfloat16 needs compute capability 8.0 or newer, "
                 f"this GPU has {cap[0]}.{cap[1]}"
             )
+        if kv_cache_dtype == torch.float8_e4m3fn and dtype == torch.float32:
+            return (
+                "kv_cache_dtype=fp8 with dtype=float32 is not compiled for the Triton kernels "
+                "(their fp32 tiles spill); use dtype float16 or bfloat16"
+            )
         if kv_cache_dtype == torch.float8_e4m3fn and tuple(cap) < FP8_CAPABILITY:
             return (
                 "kv_cache_dtype=fp8 needs compute capability 8.9 or newer for the Triton "

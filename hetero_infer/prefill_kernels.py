@@ -123,7 +123,7 @@ def triton_paged_prefill_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    t = attention_tiles("prefill", D, q.dtype, _capability(q.device))
+    t = attention_tiles("prefill", D, q.dtype, _capability(q.device), k_cache.dtype != q.dtype)
     grid = (S, Hq, triton.cdiv(max_query_len, t.block_m))
     _prefill_kernel[grid](
         q,

@@ -50,9 +50,9 @@ def _int8_weight_matmul_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask)
 
 
-def int8_matmul_tiles(M: int) -> tuple[int, int, int]:
+def int8_matmul_tiles(M: int, dtype: torch.dtype = torch.float16) -> tuple[int, int, int]:
     "(BLOCK_M, BLOCK_N, BLOCK_K) for `M` rows: 16-row tiles for decode batches, 64 beyond."
-    return (16 if M <= 16 else 64), 64, 64
+    return (16 if M <= 16 else 64), 64, (32 if dtype == torch.float32 else 64)  # fp32: 0 spills
 
 
 def triton_int8_matmul(
@@ -65,7 +65,7 @@ def triton_int8_matmul(
     M, K = x.shape
     N = qweight.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    BM, BN, BK = int8_matmul_tiles(M)
+    BM, BN, BK = int8_matmul_tiles(M, x.dtype)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _int8_weight_matmul_kernel[grid](
         x,

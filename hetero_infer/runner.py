@@ -124,6 +124,12 @@ class ModelRunner:
         mode = getattr(self.config, "quantization", None)
         if not mode:
             return None
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 0):
+            cap = torch.cuda.get_device_capability(self.device)
+            raise ValueError(
+                f"quantization={mode!r} needs compute capability 8.0 or newer on CUDA (the int8 "
+                f"GEMM kernel spills on older GPUs), this GPU has {cap[0]}.{cap[1]}"
+            )
         if mode == "w8a8" and self.device.type == "cuda":
             for name, m in self.model.named_modules():
                 if isinstance(m, torch.nn.Linear) and (m.in_features % 8 or m.out_features % 8):

@@ -355,3 +355,5 @@ def test_fp8_cache_needs_sm89_on_cuda(monkeypatch):
     assert "kv_cache_dtype=fp8 needs compute capability 8.9" in why
     monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
     assert kernels.triton_unsupported(64, torch.bfloat16, "cuda", FP8) is None
+    why = kernels.triton_unsupported(64, torch.float32, "cuda", FP8)  # fp32 + fp8: its tiles spill
+    assert "kv_cache_dtype=fp8 with dtype=float32" in why
