@@ -272,7 +272,7 @@ def vllm_decode_step(
 
 # %% ../nbs/11_benchmarks.ipynb #30e95552
 def format_vs_vllm(results: dict) -> str:
-    "A markdown table, one row per labelled `bench offline` result: ours, vLLM, ours ÷ vLLM."
+    "A markdown table, a row per labelled `bench offline` result: ours, vLLM, ours ÷ vLLM."
     lines = [
         "| workload | dtype | ours tok/s (spread) | vLLM tok/s (spread) | ours ÷ vLLM |",
         "|---|---|---|---|---|",
@@ -282,7 +282,7 @@ def format_vs_vllm(results: dict) -> str:
         o, v = rows["ours"], rows.get("vllm")
 
         def cell(r):
-            return f"{r['output_tok_s']:,.1f} (±{r['timing']['spread'] / 2:.0%})"
+            return f"{r['output_tok_s']:,.1f} ({r['timing']['spread']:.0%})"
 
         vs = (cell(v), f"**{o['output_tok_s'] / v['output_tok_s']:.2f}×**") if v else ("—", "—")
         lines.append(f"| {label} | {res['config']['dtype']} | {cell(o)} | {vs[0]} | {vs[1]} |")
