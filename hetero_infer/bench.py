@@ -131,6 +131,7 @@ def _cmd_offline(args) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     check_output(args.output, "--output")
+    vllm_python = check_vllm_python(args.vllm_python, "--vllm-python")
     device = resolve_device(args.device)
     dtype = (
         "float32"
@@ -144,7 +145,6 @@ def _cmd_offline(args) -> int:
     mns = args.max_num_seqs or (16 if device == "cpu" else 256)
     peers = [p for p in args.peers.split(",") if p.strip()]
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")] if args.hf_batch_sizes else None
-    vllm_python = check_vllm_python(args.vllm_python, "--vllm-python")
     if vllm_python and "vllm" not in peers:
         peers.append("vllm")
     print(f"threads: {torch.get_num_threads()} (torch intra-op), device {device}, dtype {dtype}")
