@@ -14,14 +14,16 @@ def _has_gpu() -> bool:
 if not _has_gpu():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Hypothesis profiles. "ci" (chosen when CI=true) is derandomized: every run draws the same examples, so a green CI
-# means the same thing twice; it ignores the local example database for the same reason. "dev" (the default elsewhere)
-# draws new examples each run and keeps failing ones in .hypothesis/. Both print the falsifying example and a
-# `@reproduce_failure(...)` blob to paste above the test; `pytest --hypothesis-seed=N` replays a whole "dev" run.
-# HYPOTHESIS_PROFILE=ci|dev overrides the choice; tests that set max_examples themselves keep their own budget.
-from hypothesis import settings
+# Hypothesis profiles. "ci" (chosen when CI=true) is derandomized: every run draws the same
+# examples, so a green CI means the same thing twice; it ignores the local example database for the
+# same reason. "dev" (the default elsewhere) draws new examples each run and keeps failing ones in
+# .hypothesis/. Both print the falsifying example and a `@reproduce_failure(...)` blob to paste
+# above the test; `pytest --hypothesis-seed=N` replays a whole "dev" run. HYPOTHESIS_PROFILE=ci|dev
+# overrides the choice; tests that set max_examples themselves keep their own budget.
+from hypothesis import settings  # noqa: E402 (after the interpreter switch above)
 
-# Both start from hypothesis' "default" profile: hypothesis itself loads a derandomized profile when it sees $CI.
+# Both start from hypothesis' "default" profile: hypothesis itself loads a derandomized profile
+# when it sees $CI.
 _base = settings.get_profile("default")
 settings.register_profile(
     "ci", _base, derandomize=True, database=None, print_blob=True, deadline=None, max_examples=50
