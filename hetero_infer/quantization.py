@@ -15,7 +15,6 @@ __all__ = [
     "FP8_MAX",
     "INT8PACK_MAX_ROWS",
     "QUANTIZATION_MODES",
-    "DEFAULT_SKIP",
     "KV_CACHE_DTYPES",
     "int8_scales",
     "quantize_int8",
@@ -27,6 +26,7 @@ __all__ = [
     "w8a8_matmul",
     "check_quantization",
     "QuantizedLinear",
+    "QuantizedEmbedding",
     "module_bytes",
     "QuantizationReport",
     "quantize_model",
@@ -200,20 +200,29 @@ class QuantizedLinear(nn.Module):
     def from_float(cls, linear: nn.Linear, mode: str = "int8", max_rel_error: float = 0.05):
         "Quantize a float `nn.Linear` per output channel."
         w = linear.weight.detach()
-        m = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            mode,
-            w.dtype,
-            max_rel_error,
-        )
         q, s = quantize_int8(w, "channel")
-        m.qweight.copy_(q)
-        m.scale.copy_(s[:, 0])
-        if linear.bias is not None:
-            m.bias.copy_(linear.bias.detach())
-        return m.to(w.device)
+        b = None if linear.bias is None else linear.bias.detach()
+        return cls.from_quantized(q, s[:, 0].contiguous(), b, mode, w.dtype, max_rel_error)
+
+    @classmethod
+    def from_quantized(
+        cls,
+        qweight: torch.Tensor,  # (N, K) int8
+        scale: torch.Tensor,  # (N,) float32, one per output channel
+        bias: torch.Tensor | None = None,  # (N,) or None
+        mode: str = "int8",  # one of QUANTIZATION_MODES
+        dtype: torch.dtype = torch.bfloat16,  # the bias's dtype
+        max_rel_error: float = 0.05,
+    ):
+        "A layer around int8 weights that exist already (a tied embedding's, a checkpoint's)."
+        N, K = qweight.shape
+        with torch.device("meta"):  # no second copy: the buffers are the tensors given
+            m = cls(K, N, bias is not None, mode, dtype, max_rel_error)
+        m.qweight = qweight
+        m.scale = scale if scale.dtype == torch.float32 else scale.float()
+        if bias is not None:
+            m.bias = bias.to(dtype)
+        return m
 
     def check(self, x: torch.Tensor) -> float:
         "W8A8's first-call check on activations `x` (M, K): relative error against weight-only."
@@ -240,8 +249,41 @@ class QuantizedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, mode={self.mode}{fb}"
 
 
-# %% ../nbs/15_quantization.ipynb #15feac7e
-DEFAULT_SKIP = ("lm_head", "embed_tokens")
+# %% ../nbs/15_quantization.ipynb #47d3e672
+class QuantizedEmbedding(nn.Module):
+    "An `nn.Embedding` as int8 rows with one float32 scale per row: gather, then dequantize."
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.bfloat16):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.out_dtype = dtype  # the float dtype the rows come back in
+        self.register_buffer(
+            "qweight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8)
+        )
+        self.register_buffer("scale", torch.ones(num_embeddings))  # (V,) float32
+
+    @classmethod
+    def from_float(cls, emb: nn.Embedding):
+        "Quantize a float embedding table, one scale per row (per token id)."
+        w = emb.weight.detach()
+        q, s = quantize_int8(w, "channel")
+        with torch.device("meta"):
+            m = cls(*w.shape, w.dtype)
+        m.qweight, m.scale = q, s[:, 0].contiguous()
+        return m
+
+    def tied_lm_head(self, mode: str = "int8", max_rel_error: float = 0.05) -> QuantizedLinear:
+        "The lm_head that shares this table: its rows are the logits' output channels."
+        return QuantizedLinear.from_quantized(
+            self.qweight, self.scale, None, mode, self.out_dtype, max_rel_error
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (...) int64 -> (..., dim)
+        rows = self.qweight[ids].float()  # only the looked-up rows are dequantized
+        return (rows * self.scale[ids].unsqueeze(-1)).to(self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows, {self.out_dtype}"
 
 
 def module_bytes(model: nn.Module) -> int:
@@ -250,13 +292,16 @@ def module_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+# %% ../nbs/15_quantization.ipynb #15feac7e
 @dataclass
 class QuantizationReport:
     "What `quantize_model` did: the layers it swapped and skipped, bytes before and after."
 
     mode: str
-    layers: dict = field(default_factory=dict)  # name -> QuantizedLinear
-    skipped: list = field(default_factory=list)  # names of the nn.Linear left in float
+    layers: dict = field(default_factory=dict)  # name -> QuantizedLinear (a tied lm_head too)
+    embeddings: dict = field(default_factory=dict)  # name -> QuantizedEmbedding
+    tied: dict = field(default_factory=dict)  # lm_head name -> the embedding whose table it uses
+    skipped: list = field(default_factory=list)  # names of the modules left in float
     bytes_before: int = 0
     bytes_after: int = 0
 
@@ -268,32 +313,52 @@ class QuantizationReport:
     def __repr__(self) -> str:
         ratio = self.bytes_after / max(self.bytes_before, 1)
         return (
-            f"QuantizationReport({self.mode}: {len(self.layers)} layers, {len(self.skipped)} "
-            f"skipped, {len(self.fallbacks)} fell back; bytes {ratio:.3f}x)"
+            f"QuantizationReport({self.mode}: {len(self.layers)} layers, {len(self.embeddings)} "
+            f"embeddings, {len(self.tied)} tied, {len(self.skipped)} skipped, "
+            f"{len(self.fallbacks)} fell back; bytes {ratio:.3f}x)"
         )
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module):
+    "Put `new` where the submodule `name` is."
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def quantize_model(
     model: nn.Module,
     mode: str,  # one of QUANTIZATION_MODES
-    skip: tuple = DEFAULT_SKIP,  # module names (last part) left in float
+    skip: tuple = (),  # module names (last part) left in float; a tied pair is kept together
     max_rel_error: float = 0.05,  # w8a8's per-layer fallback threshold
 ) -> QuantizationReport:
-    "Swap every `nn.Linear` of `model` (in place) for a `QuantizedLinear` in `mode`."
+    "Swap every `nn.Linear` and `nn.Embedding` of `model` (in place) for its int8 counterpart."
     check_quantization(mode)
     if mode is None:
         raise ValueError("quantization must be one of ('int8', 'w8a8') to quantize a model")
     report = QuantizationReport(mode, bytes_before=module_bytes(model))
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear:
-            continue
-        if name.rsplit(".", 1)[-1] in skip:
+    mods = [(n, m) for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    mods.sort(key=lambda nm: type(nm[1]) is not nn.Embedding)  # tables first: heads share them
+    holders = {}  # id(weight) -> the names holding it (a tied embedding and lm_head: two)
+    for n, m in mods:
+        holders.setdefault(id(m.weight), []).append(n)
+    tables = {}  # id(float weight) -> (name, QuantizedEmbedding)
+    for name, mod in mods:
+        if any(n.rsplit(".", 1)[-1] in skip for n in holders[id(mod.weight)]):
             report.skipped.append(name)
-            continue
-        parent, _, child = name.rpartition(".")
-        ql = QuantizedLinear.from_float(mod, mode, max_rel_error)
-        setattr(model.get_submodule(parent) if parent else model, child, ql)
-        report.layers[name] = ql
+        elif type(mod) is nn.Embedding:
+            qe = QuantizedEmbedding.from_float(mod)
+            tables[id(mod.weight)] = (name, qe)
+            report.embeddings[name] = qe
+            _swap(model, name, qe)
+        else:
+            if id(mod.weight) in tables:  # tied: the embedding's int8 table and scales
+                table_name, qe = tables[id(mod.weight)]
+                ql = qe.tied_lm_head(mode, max_rel_error)
+                report.tied[name] = table_name
+            else:
+                ql = QuantizedLinear.from_float(mod, mode, max_rel_error)
+            report.layers[name] = ql
+            _swap(model, name, ql)
     report.bytes_after = module_bytes(model)
     return report
 

@@ -11,6 +11,7 @@ from hetero_infer.quantization import (
     FP8_MAX,
     GRANULARITIES,
     QUANTIZATION_MODES,
+    QuantizedEmbedding,
     QuantizedLinear,
     check_quantization,
     dequantize_fp8,
@@ -161,14 +162,59 @@ def test_all_zero_first_call_does_not_decide():
 def test_quantize_model_skips_and_bytes():
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
     model.lm_head = nn.Linear(64, 10, bias=False)
-    model.embed_tokens = nn.Embedding(10, 64)
-    report = quantize_model(model, "int8")
-    assert list(report.layers) == ["0", "1"] and report.skipped == ["lm_head"]
-    assert isinstance(model[0], QuantizedLinear) and type(model.lm_head) is nn.Linear
+    model.embed_tokens = nn.Embedding(10, 64)  # untied: both quantized, apart
+    report = quantize_model(model, "int8", skip=("1",))
+    assert list(report.layers) == ["0", "lm_head"] and report.skipped == ["1"]
+    assert list(report.embeddings) == ["embed_tokens"] and report.tied == {}
+    assert isinstance(model[0], QuantizedLinear) and type(model[1]) is nn.Linear
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert model.lm_head.qweight is not model.embed_tokens.qweight
     assert report.bytes_after == module_bytes(model) < report.bytes_before
-    all_q = nn.Sequential(nn.Linear(64, 128, bias=False))
-    all_q.lm_head = nn.Linear(128, 10, bias=False)
-    assert list(quantize_model(all_q, "int8", skip=()).layers) == ["0", "lm_head"]
+
+
+@pytest.mark.parametrize("skip", ["lm_head", "embed_tokens"])
+def test_tied_pair_is_kept_together(skip):
+    "Skipping either half of a tied embedding/lm_head keeps both in float (one table, no copy)."
+    model = nn.Sequential(nn.Linear(64, 64))
+    model.embed_tokens = nn.Embedding(10, 64)
+    model.lm_head = nn.Linear(64, 10, bias=False)
+    model.lm_head.weight = model.embed_tokens.weight
+    report = quantize_model(model, "int8", skip=(skip,))
+    assert sorted(report.skipped) == ["embed_tokens", "lm_head"] and list(report.layers) == ["0"]
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("mode", QUANTIZATION_MODES)
+def test_tied_embedding_is_one_int8_table(mode):
+    "A tied lm_head uses the embedding's int8 table and scales: one copy, both uses correct."
+    torch.manual_seed(0)
+    emb = nn.Embedding(300, 64)
+    emb.weight.data *= torch.rand(300, 1) * 3  # rows of different sizes: per-row scales matter
+    model = nn.Module()
+    model.embed_tokens, model.lm_head = emb, nn.Linear(64, 300, bias=False)
+    model.lm_head.weight = emb.weight
+    w = emb.weight.detach().clone()
+    report = quantize_model(model, mode)
+    assert report.tied == {"lm_head": "embed_tokens"} and list(report.layers) == ["lm_head"]
+    qe, head = model.embed_tokens, model.lm_head
+    assert head.qweight is qe.qweight and head.scale is qe.scale
+    assert module_bytes(model) == 300 * 64 + 300 * 4 == report.bytes_after
+    ids = torch.tensor([0, 299, 7, 7])
+    assert ((qe(ids) - w[ids]).abs() <= qe.scale[ids, None] / 2 + 1e-6).all()
+    assert qe(ids).dtype == w.dtype
+    h = torch.randn(3, 64)
+    with torch.no_grad():
+        assert _rel(head(h), h @ w.T) < 0.02
+
+
+def test_embedding_lookup_any_shape_and_dtype():
+    emb = nn.Embedding(50, 16, dtype=torch.bfloat16)
+    qe = QuantizedEmbedding.from_float(emb)
+    ids = torch.randint(0, 50, (2, 3, 4))
+    out = qe(ids)
+    assert out.shape == (2, 3, 4, 16) and out.dtype == torch.bfloat16
+    assert torch.equal(out, dequantize_int8(qe.qweight, qe.scale[:, None], torch.bfloat16)[ids])
+    assert module_bytes(qe) / (50 * 16 * 2) <= 0.625  # 1 byte + 4 / 16 per weight
 
 
 def test_int8_weight_bytes_ratio():
@@ -237,7 +283,9 @@ def test_llm_quantized_agrees_with_float(tiny, kw, caplog):
     runner = llm.engine.runner
     if "quantization" in kw:
         assert runner.quant_report.mode == kw["quantization"]
-        assert len(runner.quant_report.layers) == 4 * runner.model.config.num_layers
+        n_layers = runner.model.config.num_layers
+        assert len(runner.quant_report.layers) == 4 * n_layers + 1  # and the lm_head
+        assert list(runner.quant_report.embeddings) == ["embed_tokens"]
         assert f"quantization={kw['quantization']}" in caplog.text
     else:
         assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
