@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from . import attention, layers
+from .quant_checkpoints import checkpoint_scheme, load_quantized_layers
+from .quant_checkpoints import quantized_layers, scale_names
 from .core import DTYPE_ALIASES
 
 # %% ../nbs/05_model.ipynb #6cb7f80e
@@ -78,8 +80,9 @@ def _check_fields(d: dict):
         "hidden_act",
         f"{d.get('hidden_act')!r}; supported: {', '.join(layers.ACTIVATIONS)}",
     )
-    for f in ("attn_logit_softcapping", "final_logit_softcapping", "quantization_config"):
+    for f in ("attn_logit_softcapping", "final_logit_softcapping"):
         _refuse(d.get(f) is None, f, f"{d.get(f)!r} (only None is supported)")
+    checkpoint_scheme(d)  # 15: a quantization_config it cannot load exactly is refused by name
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     _refuse(
         not any(isinstance(v, dict) for v in rope.values()),
@@ -300,6 +303,9 @@ def load_model(
         known = {h for hs in need.values() for h in hs} | (
             {"lm_head.weight"} if c.tie_word_embeddings else set()
         )
+        scheme = checkpoint_scheme(json.loads((path / "config.json").read_text()))  # 15
+        stored_q = quantized_layers(model, hf_names, where) if scheme else {}
+        known |= scale_names(stored_q)  # a pre-quantized checkpoint's weight scales
         missing = sorted(h for hs in need.values() for h in hs if h not in where)
         unexpected = sorted(k for k in where if k not in known and not k.endswith(_IGNORED))
         if missing:
@@ -318,6 +324,8 @@ def load_model(
                 )
             mod, _, attr = n.rpartition(".")
             setattr(model.get_submodule(mod), attr, torch.nn.Parameter(t, requires_grad=False))
+        if stored_q:  # 15: its int8 layers as stored (QuantizedLinear), fp8 ones dequantized
+            load_quantized_layers(model, stored_q, lambda h: _read(where, h), scheme)
     if c.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.backend = attention_backend_for("auto", c, dtype, device)

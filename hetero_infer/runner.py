@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 import torch
 from .attention import AttentionMetadata
+from .quant_checkpoints import is_prequantized
 from .quantization import quantize_model, resolve_kv_cache_dtype
 from .layers import LlamaModel, ModelConfig
 from .loading import attention_backend_for, load_model, set_cpu_threads
@@ -107,6 +108,11 @@ class ModelRunner:
         cfg = self.config
         if getattr(cfg, "tensor_parallel_size", 1) <= 1:
             return
+        if cfg.model is not None and is_prequantized(cfg.model):
+            raise ValueError(
+                "quantization_config: a pre-quantized checkpoint is not supported with "
+                f"tensor_parallel_size={cfg.tensor_parallel_size}; use tensor_parallel_size=1"
+            )
         if getattr(cfg, "quantization", None):
             raise ValueError(
                 f"quantization={cfg.quantization!r} is not supported with tensor_parallel_size="

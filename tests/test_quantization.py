@@ -346,3 +346,127 @@ def test_demo_model_under_each_mode():
         outs = LLM(None, **kw).generate(prompts, sp, use_tqdm=False)
         right = sum(check_answer(p, o.outputs[0].text) for p, o in zip(prompts, outs))
         assert right >= 62, (kw, right)
+
+
+# --- pre-quantized checkpoints: compressed-tensors (a dev requirement: imported, never skipped) ---
+
+
+@pytest.fixture(scope="module")
+def ct_source(tmp_path_factory):
+    from hetero_infer.testing import tiny_hf_checkpoint
+
+    d = tmp_path_factory.mktemp("ct")
+    return d, tiny_hf_checkpoint(d / "float", "llama", seed=3)
+
+
+def _write_ct(ct_source, scheme, strategy="channel"):
+    "A compressed-tensors checkpoint of the tiny llama, written by the package itself."
+    import contextlib
+    import io
+    from hetero_infer.quant_checkpoints import write_compressed_checkpoint
+
+    d, src = ct_source
+    path = d / f"{scheme}-{strategy}"
+    if not path.exists():
+        with contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+            write_compressed_checkpoint(copy.deepcopy(src), path, scheme, strategy)
+    return path
+
+
+@pytest.mark.parametrize(
+    "scheme,strategy",
+    [("w8a8", "channel"), ("w8a16", "tensor"), ("fp8", "channel"), ("fp8", "tensor")],
+)
+def test_compressed_checkpoint_equals_the_packages_decompression(ct_source, scheme, strategy):
+    """Every quantized layer, loaded by `load_model`, holds exactly the weights compressed-tensors
+    decompresses it to (through transformers); int8 ones as stored int8, fp8 ones dequantized."""
+    import contextlib
+    import io
+    from transformers import AutoModelForCausalLM
+    from hetero_infer.loading import hf_names, load_model
+
+    path = _write_ct(ct_source, scheme, strategy)
+    with contextlib.redirect_stderr(io.StringIO()):
+        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            theirs(torch.tensor([[1, 2, 3]]))  # the package decompresses on the first call
+    params = {n: p.detach() for n, p in theirs.named_parameters()}
+    assert params["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    ours = load_model(path)
+    checked = 0
+    for name, m in ours.named_modules():
+        if not name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            continue
+        ref = torch.cat([params[h] for h in hf_names(f"{name}.weight")])
+        if scheme == "fp8":
+            assert type(m) is nn.Linear
+            w = m.weight.detach()
+        else:
+            assert isinstance(m, QuantizedLinear), name
+            assert m.mode == ("w8a8" if scheme == "w8a8" else "int8")
+            assert m.qweight.dtype == torch.int8
+            w = dequantize_int8(m.qweight, m.scale[:, None])
+        assert torch.equal(w, ref), name
+        checked += 1
+    assert checked == 4 * ours.config.num_layers
+    assert type(ours.lm_head) is nn.Linear  # the checkpoint kept it in float
+    assert torch.equal(ours.lm_head.weight.detach(), params["lm_head.weight"])
+
+
+def test_llm_runs_a_compressed_checkpoint(ct_source):
+    """`LLM(path)` runs the stored int8 weights with no argument (greedy first tokens agree with
+    the float model's); `quantization="int8"` on top quantizes what the checkpoint left in float."""
+    path = _write_ct(ct_source, "w8a16")
+    _, ref = _greedy(str(ct_source[0] / "float"), n=16, max_tokens=1)
+    llm, got = _greedy(str(path), n=16, max_tokens=1)
+    assert sum(r == g for r, g in zip(ref, got)) >= 15
+    assert llm.engine.runner.quant_report is None
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.mode == "int8"
+    llm8, got8 = _greedy(str(path), n=16, max_tokens=1, quantization="int8")
+    rep = llm8.engine.runner.quant_report
+    assert list(rep.layers) == ["lm_head"] and list(rep.embeddings) == ["embed_tokens"]
+    assert sum(r == g for r, g in zip(ref, got8)) >= 15
+
+
+@pytest.mark.parametrize(
+    "qc,why",
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quant_method 'bitsandbytes'"),
+        ("pack", "format 'pack-quantized'"),
+        ("group", "weight strategy 'group'"),
+    ],
+)
+def test_unloadable_quantization_config_is_refused_by_name(ct_source, tmp_path, qc, why):
+    "AWQ, GPTQ, int4 packed and group-scale checkpoints fail at load, naming quantization_config."
+    import json
+    import shutil
+    from hetero_infer.engine import LLM
+    from hetero_infer.loading import load_model
+
+    shutil.copytree(_write_ct(ct_source, "w8a8"), tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    if qc == "pack":
+        cfg["quantization_config"]["format"] = "pack-quantized"
+        cfg["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
+    elif qc == "group":
+        w = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+        w.update(strategy="group", group_size=32)
+    else:
+        cfg["quantization_config"] = qc
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"unsupported quantization_config: {why}"):
+        load_model(tmp_path / "ck")
+    with pytest.raises(ValueError, match="quantization_config"):
+        LLM(str(tmp_path / "ck"))
+
+
+def test_compressed_checkpoint_refused_with_tensor_parallelism(ct_source):
+    from hetero_infer.core import EngineConfig
+    from hetero_infer.runner import ModelRunner
+
+    path = _write_ct(ct_source, "w8a8")
+    with pytest.raises(ValueError, match="quantization_config: a pre-quantized checkpoint is not"):
+        ModelRunner(EngineConfig(model=str(path), tensor_parallel_size=2))
