@@ -21,7 +21,7 @@ from .bench_peers import format_offline, offline_bench
 from .bench_vllm import check_vllm_python
 from .bench_load import format_serve, plot_rate_sweep, serve_bench
 from .testing import dummy_checkpoint
-from .bench_args import SPECULATIVE_FLAGS, add_bench_arguments
+from .bench_args import QUANT_FLAGS, SPECULATIVE_FLAGS, add_bench_arguments
 
 # other chapters' notebooks import these from here
 from .bench_workload import machine_info as machine_info
@@ -111,10 +111,11 @@ def _command_line(args) -> str:
 
 
 def _speculative_config(args) -> dict | None:
-    "The speculative fields given (checked by `EngineConfig`), or None when none is given."
+    "The speculative and quantization fields given (checked by `EngineConfig`), or None."
     from hetero_infer.core import EngineConfig
 
-    given = {k: getattr(args, k) for k in SPECULATIVE_FLAGS if getattr(args, k) is not None}
+    flags = SPECULATIVE_FLAGS + QUANT_FLAGS  # serve has no quantization flags: getattr's None
+    given = {k: getattr(args, k, None) for k in flags if getattr(args, k, None) is not None}
     if not given:
         return None
     EngineConfig(**given)  # a ValueError naming the field, before anything loads

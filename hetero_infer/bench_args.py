@@ -11,7 +11,7 @@ from .bench_peers import PEERS
 from .testing import DUMMY_CONFIGS
 
 # %% auto #0
-__all__ = ["SPECULATIVE_FLAGS", "add_bench_arguments"]
+__all__ = ["SPECULATIVE_FLAGS", "QUANT_FLAGS", "add_bench_arguments"]
 
 
 # %% ../nbs/11_benchmarks.ipynb #27352da8
@@ -73,6 +73,27 @@ SPECULATIVE_FLAGS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
 )
+QUANT_FLAGS = ("quantization", "kv_cache_dtype")  # 15: ours quantized, and timed plain too
+
+
+def _quant_args(g):
+    "The quantization flags (15_quantization) for the engine under test."
+    from hetero_infer.quantization import KV_CACHE_DTYPES, QUANTIZATION_MODES
+
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_MODES,
+        help="ours runs with int8 weights (int8: weight-only, w8a8: int8 activations too); the "
+        "offline run also times ours unquantized, in turns (default: off)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=KV_CACHE_DTYPES,
+        help="ours stores its KV cache in this dtype (fp8: float8 e4m3); the offline run also "
+        "times ours with the model's dtype (default: the model's)",
+    )
 
 
 def _speculative_args(g):
@@ -206,6 +227,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "peers run in one process) (default: 1)",
     )
     _speculative_args(o)
+    _quant_args(o)
     s = sub.add_parser(
         "serve",
         help="latency and throughput of a server under Poisson load (TTFT, TPOT, ITL, E2E, "

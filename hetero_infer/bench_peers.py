@@ -194,6 +194,13 @@ def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
     }
 
 
+def _plain_label(extra: dict) -> str:
+    "What ours-plain runs without: speculative decoding and/or quantization (15)."
+    parts = ["speculative decoding"] if extra.get("speculative_method") else []
+    parts += [f"{k}={v}" for k, v in extra.items() if k in ("quantization", "kv_cache_dtype")]
+    return ", ".join(parts)
+
+
 def offline_bench(
     model_dir,
     wl: Workload,
@@ -308,13 +315,18 @@ def offline_bench(
             t["ours"],
             wl,
             batch_size=max_num_seqs,
-            **({"speculative": llm.engine.stats["speculative"]} if speculative else {}),
+            **(
+                {"speculative": llm.engine.stats["speculative"]}
+                if (speculative or {}).get("speculative_method")
+                else {}
+            ),
         )
     ]
     if speculative:
         rows.append(
             _row(
-                f"hetero_infer without speculative decoding (max_num_seqs={max_num_seqs}{tp})",
+                f"hetero_infer without {_plain_label(speculative)} "
+                f"(max_num_seqs={max_num_seqs}{tp})",
                 "ours-plain",
                 t["ours-plain"],
                 wl,

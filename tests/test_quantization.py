@@ -470,3 +470,39 @@ def test_compressed_checkpoint_refused_with_tensor_parallelism(ct_source):
     path = _write_ct(ct_source, "w8a8")
     with pytest.raises(ValueError, match="quantization_config: a pre-quantized checkpoint is not"):
         ModelRunner(EngineConfig(model=str(path), tensor_parallel_size=2))
+
+
+# --- `hetero-infer bench offline --quantization / --kv-cache-dtype` (flags in 11's bench_args) ---
+
+
+def test_bench_quantization_flags_parse_and_refuse():
+    import argparse
+    from hetero_infer.bench import _speculative_config
+    from hetero_infer.bench_args import add_bench_arguments
+
+    ap = argparse.ArgumentParser()
+    add_bench_arguments(ap)
+    a = ap.parse_args(["offline", "--quantization", "w8a8", "--kv-cache-dtype", "fp8"])
+    assert _speculative_config(a) == {"quantization": "w8a8", "kv_cache_dtype": "fp8"}
+    assert _speculative_config(ap.parse_args(["offline"])) is None
+    for bad in (["--quantization", "int4"], ["--kv-cache-dtype", "fp8_e5m2"]):
+        with pytest.raises(SystemExit) as e:
+            ap.parse_args(["offline", *bad])
+        assert e.value.code == 2
+
+
+def test_bench_offline_times_quantized_against_plain(tiny, tmp_path, capsys):
+    "One run: ours with int8 weights and an fp8 cache, and ours without them, in turns."
+    import json
+    from hetero_infer.bench import main
+
+    out = tmp_path / "q.json"
+    argv = ["offline", "--model", tiny, "--quantization", "int8", "--kv-cache-dtype", "fp8"]
+    argv += ["--peers", "", "--num-requests", "2", "--input-len", "6,6", "--output-len", "3,3"]
+    assert main(argv + ["--repeats", "1", "--warmup", "0", "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["key"] for r in res["results"]] == ["ours", "ours-plain"]
+    assert "quantization=int8" in res["results"][0]["system"]
+    assert "without quantization=int8, kv_cache_dtype=fp8" in res["results"][1]["system"]
+    assert res["config"]["quantization"] == "int8" and res["config"]["kv_cache_dtype"] == "fp8"
+    assert "without quantization=int8" in capsys.readouterr().out  # the printed table
