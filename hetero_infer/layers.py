@@ -3,6 +3,8 @@
 # %% auto #0
 __all__ = [
     "ACTIVATIONS",
+    "PACK_MIN_WEIGHTS",
+    "PACKED_LINEARS",
     "ModelConfig",
     "RMSNorm",
     "rope_cos_sin",
@@ -13,6 +15,9 @@ __all__ = [
     "Attention",
     "DecoderLayer",
     "LlamaModel",
+    "PackedLinear",
+    "can_pack",
+    "pack_linears",
 ]
 
 # %% ../nbs/05_model.ipynb #a2f5e9fe
@@ -22,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .attention import get_attention_backend
+from .moe import MoEBlock, MoEConfig
 
 # %% ../nbs/05_model.ipynb #d2e05550
 ACTIVATIONS = {
@@ -63,6 +69,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3 RMS-normalizes each head of q and k
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in
+    moe: MoEConfig | None = None  # the shape of the MoE blocks (chapter 16); None: a dense model
+    moe_layers: list | None = None  # per layer: True where the MLP is a MoE block; None: none
 
 
 # %% ../nbs/05_model.ipynb #cfdf68e1
@@ -183,12 +191,15 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     "Pre-norm residual block: h = x + attn(norm(x)); h + mlp(norm(h))."
 
-    def __init__(self, c: ModelConfig, window: int | None = None):
-        super().__init__()
+    def __init__(self, c: ModelConfig, window: int | None = None, sparse: bool = False):
+        super().__init__()  # sparse: a MoE block (chapter 16) in place of the MLP
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
+        if sparse:
+            self.mlp = MoEBlock(c.moe)  # (T, hidden) -> (T, hidden), as the MLP
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):  # (T, hidden)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
@@ -202,8 +213,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        windows = c.layer_windows or [None] * c.num_layers
+        sparse = c.moe_layers or [False] * c.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(c, w) for w in (c.layer_windows or [None] * c.num_layers)
+            DecoderLayer(c, w, s) for w, s in zip(windows, sparse, strict=True)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -229,3 +242,52 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden):  # (N, hidden) -> (N, vocab)
         "Vocabulary logits in float32."
         return self.lm_head(hidden).float()
+
+
+# %% ../nbs/05_model.ipynb #5a7c0d12
+PACK_MIN_WEIGHTS = 2**18  # pack a layer from this many weights on (fp32's break-even, measured)
+PACKED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+class PackedLinear(nn.Module):
+    "An `nn.Linear` whose weight oneDNN re-laid out for this CPU: the same numbers, faster GEMV."
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.weight = nn.Parameter(w, requires_grad=False)  # (out, in) in oneDNN's blocked order
+        self.bias = linear.bias
+
+    def forward(self, x):  # (..., in) -> (..., out)
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias, "none", [], ""
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    "Whether oneDNN packs `dtype` weights here: fp32 always, bf16 on CPUs with AVX512-BF16."
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
+    )
+
+
+def pack_linears(model: nn.Module, min_weights: int = PACK_MIN_WEIGHTS) -> int:
+    "Swap the CPU model's big projections (`PACKED_LINEARS`) for `PackedLinear`s; how many."
+    n = 0
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            w = getattr(child, "weight", None)
+            if (
+                type(child) is nn.Linear
+                and name in PACKED_LINEARS
+                and w.device.type == "cpu"
+                and w.numel() >= min_weights
+                and can_pack(w.dtype)
+            ):
+                setattr(mod, name, PackedLinear(child))
+                n += 1
+    return n

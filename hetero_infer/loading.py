@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from . import attention, layers
+from .moe import MoEConfig, is_moe_layer, load_moe_weights, moe_layer_names
 from .quant_checkpoints import checkpoint_scheme, load_quantized_layers
 from .quant_checkpoints import quantized_layers, scale_names
 from .core import DTYPE_ALIASES
@@ -38,7 +39,15 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",  # the mixture-of-experts families (chapter 16)
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
+_MOE = {
+    "Qwen3MoeForCausalLM": "Qwen3",
+    "MixtralForCausalLM": "Mistral",
+    "Qwen2MoeForCausalLM": "Qwen2",
+}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -55,8 +64,16 @@ def layer_windows(d: dict, arch: str) -> list:
     )  # 4096: the config classes' default
     if arch == "MistralForCausalLM":
         return [w] * n
+    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):  # every layer, or none
+        use = arch == "MixtralForCausalLM" or d.get("use_sliding_window")
+        return [d.get("sliding_window") if use else None] * n
+    _refuse(
+        arch != "Qwen2MoeForCausalLM" or not d.get("use_sliding_window") or "layer_types" in d,
+        "use_sliding_window",
+        "a Qwen2-MoE config with sliding windows but no layer_types",
+    )
     if (
-        arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
         or not d.get("use_sliding_window")
         or w is None
     ):
@@ -102,6 +119,7 @@ def parse_config(d: dict) -> layers.ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     _check_fields(d)
+    base = _MOE.get(arch, arch.removesuffix("ForCausalLM"))  # the dense family of its attention
     rope = dict(
         d.get("rope_parameters") or d.get("rope_scaling") or {}
     )  # 5.x keeps rope_theta in here too
@@ -112,12 +130,13 @@ def parse_config(d: dict) -> layers.ModelConfig:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     nh = d["num_attention_heads"]
     bias = (
-        bool(d.get("attention_bias", False)) and arch != "MistralForCausalLM"
-    )  # transformers' Mistral has no attention biases
+        bool(d.get("attention_bias", False)) and base != "Mistral"
+    )  # transformers' Mistral and Mixtral have no attention biases
     head_dim = d.get("head_dim") or (
         128 if arch == "Qwen3ForCausalLM" and "head_dim" not in d else d["hidden_size"] // nh
     )
     windows = layer_windows(d, arch)
+    n = d["num_hidden_layers"]
     return layers.ModelConfig(
         architecture=arch,
         vocab_size=d["vocab_size"],
@@ -134,12 +153,14 @@ def parse_config(d: dict) -> layers.ModelConfig:
         sliding_window=next((w for w in windows if w is not None), None),
         layer_windows=windows if any(windows) else None,
         hidden_act=d.get("hidden_act", "silu"),
-        qkv_bias=bias or arch == "Qwen2ForCausalLM",
-        o_bias=bias and arch != "Qwen2ForCausalLM",
+        qkv_bias=bias or (base == "Qwen2" and bool(d.get("qkv_bias", True))),  # Qwen2-MoE: a field
+        o_bias=bias and base != "Qwen2",
         mlp_bias=bool(d.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=base == "Qwen3",
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        moe=MoEConfig.from_hf(d) if arch in _MOE else None,
+        moe_layers=[is_moe_layer(d, i) for i in range(n)] if arch in _MOE else None,
     )
 
 
@@ -277,6 +298,19 @@ def dtype_name(dtype) -> str:
     return "auto" if dtype == "auto" else str(_to_dtype(dtype)).removeprefix("torch.")
 
 
+class _Tensors:
+    "Checkpoint tensors by name, each read when asked (the mapping `load_moe_weights` takes)."
+
+    def __init__(self, where):
+        self.where = where
+
+    def __contains__(self, name):
+        return name in self.where
+
+    def __getitem__(self, name):
+        return _read(self.where, name)
+
+
 def _names(xs):
     return ", ".join(xs[:8]) + (f" ... ({len(xs)} in all)" if len(xs) > 8 else "")
 
@@ -300,9 +334,13 @@ def load_model(
     need = {n: hf_names(n) for n in params}
     with contextlib.ExitStack() as stack:
         where = _open_shards(checkpoint_files(path), stack)
+        moe = moe_layer_names(where, c.moe, c.moe_layers) if c.moe else {}
+        in_moe = tuple(f"layers.{i}.mlp." for i in moe)  # parameters the MoE blocks read
+        need = {n: hs for n, hs in need.items() if not n.startswith(in_moe)}
         known = {h for hs in need.values() for h in hs} | (
             {"lm_head.weight"} if c.tie_word_embeddings else set()
         )
+        known |= {h for _, hs in moe.values() for h in hs}
         scheme = checkpoint_scheme(json.loads((path / "config.json").read_text()))  # 15
         stored_q = quantized_layers(model, hf_names, where) if scheme else {}
         known |= scale_names(stored_q)  # a pre-quantized checkpoint's weight scales
@@ -315,8 +353,16 @@ def load_model(
                 f"checkpoint {path} has weights this {c.architecture} config does not use: "
                 f"{_names(unexpected)}"
             )
+        blocks = {}  # layer -> its MoE block's tensors, read once, popped as they are placed
         for n, p in params.items():
-            t = torch.cat([_read(where, h) for h in need[n]]).to(device=device, dtype=dtype)
+            if n in need:
+                t = torch.cat([_read(where, h) for h in need[n]])
+            else:
+                i = int(n.split(".")[1])
+                if i not in blocks:
+                    blocks[i] = load_moe_weights(_Tensors(where), moe[i][0], c.moe)
+                t = blocks[i].pop(n.removeprefix(f"layers.{i}.mlp."))
+            t = t.to(device=device, dtype=dtype)
             if t.shape != p.shape:
                 raise ValueError(
                     f"weight {n} has shape {tuple(t.shape)} in the checkpoint, "

@@ -20,9 +20,11 @@ __all__ = [
     "moe_loop",
     "sort_by_expert",
     "moe_grouped",
+    "moe_method",
     "moe_prefix",
     "moe_checkpoint_names",
     "load_moe_weights",
+    "moe_layer_names",
     "expert_shard",
     "MoEBlock",
 ]
@@ -186,6 +188,29 @@ def moe_grouped(
     return torch.zeros_like(x).index_add_(0, tok, ys.to(x.dtype))
 
 
+# %% ../nbs/16_mixture_of_experts.ipynb #9d52fc0a
+def moe_method(
+    method: str,  # one of MOE_METHODS
+    device,  # where the layer runs
+    capability: tuple | None = None,  # the GPU's compute capability; None: asked of torch
+) -> str:
+    "The method `method` means on `device`: `auto` -> triton on CUDA sm_80+, else grouped."
+    if method not in MOE_METHODS:
+        raise ValueError(f"method must be one of {MOE_METHODS}, got {method!r}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "grouped" if method == "auto" else method  # triton: the interpreter (tests)
+    cap = tuple(capability or torch.cuda.get_device_capability(device))
+    if cap >= (8, 0):
+        return "triton" if method == "auto" else method
+    if method == "triton":
+        raise ValueError(
+            f"method='triton': the fused MoE kernel needs compute capability 8.0 or newer (it "
+            f"spills registers on older GPUs), this GPU has {cap[0]}.{cap[1]}; use 'grouped'"
+        )
+    return "grouped" if method == "auto" else method
+
+
 # %% ../nbs/16_mixture_of_experts.ipynb #5046a7cc
 _PER_EXPERT = {  # checkpoint names of an expert's (gate, up, down) projections
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
@@ -268,6 +293,22 @@ def load_moe_weights(
     return state
 
 
+# %% ../nbs/16_mixture_of_experts.ipynb #195231e4
+def moe_layer_names(
+    names,  # the checkpoint's tensor names (anything with `in`)
+    cfg: MoEConfig,
+    moe_layers: list,  # per decoder layer: True where its MLP is a MoE block
+) -> dict[int, tuple[str, list[str]]]:  # layer -> (prefix, the names its block reads)
+    "Where each MoE layer's tensors live and which of them its block reads, in either layout."
+    out = {}
+    for i, sparse in enumerate(moe_layers):
+        if sparse:
+            prefix = moe_prefix(names, i)
+            fused = prefix + "experts.gate_up_proj" in names
+            out[i] = (prefix, moe_checkpoint_names(prefix, cfg, fused))
+    return out
+
+
 # %% ../nbs/16_mixture_of_experts.ipynb #282dc161
 def expert_shard(num_experts: int, ep_size: int = 1, ep_rank: int = 0) -> range:
     "The experts rank `ep_rank` of `ep_size` holds under expert parallelism: a contiguous slice."
@@ -319,6 +360,7 @@ class MoEBlock(nn.Module):
             raise ValueError(f"method must be one of {MOE_METHODS}, got {method!r}")
         self.cfg, self.method = cfg, method
         self.held = range(cfg.num_experts) if experts is None else experts
+        self.owns_shared = self.held.start == 0  # adds the shared expert: one rank of a group
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         self.gate = nn.Linear(H, E, bias=False)  # the router sees every expert
         self.experts = _Experts(len(self.held), H, I)
@@ -333,9 +375,7 @@ class MoEBlock(nn.Module):
 
     def run_experts(self, x, weights, ids, method: str | None = None) -> torch.Tensor:
         "The routed experts' weighted sum for each token, by `method` (default: the block's)."
-        method = method or self.method
-        if method == "auto":
-            method = "triton" if x.is_cuda else "grouped"
+        method = moe_method(method or self.method, x.device)
         gu, dn, first = self.experts.gate_up_proj, self.experts.down_proj, self.held.start
         if method == "triton":
             from hetero_infer.moe_kernels import fused_moe
@@ -348,7 +388,7 @@ class MoEBlock(nn.Module):
         "Route each token, run its experts, add the shared expert if the family has one."
         weights, ids = self.route(x)
         out = self.run_experts(x, weights, ids)
-        if self.cfg.shared_expert_intermediate_size and self.held.start == 0:  # once under EP
+        if self.cfg.shared_expert_intermediate_size and self.owns_shared:  # once in a TP group
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 

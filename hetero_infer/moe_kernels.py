@@ -111,6 +111,12 @@ def fused_moe(
     first_expert: int = 0,  # global id of gate_up[0]; other experts' pairs are skipped (EP)
 ) -> torch.Tensor:  # (T, H)
     "MoE in two launches of the fused kernel: gate_up + SiLU-and-mul, then down x routing weight."
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 0):
+        cap = torch.cuda.get_device_capability(x.device)
+        raise ValueError(
+            "the fused MoE kernel needs compute capability 8.0 or newer (it spills registers on "
+            f"older GPUs), this GPU has {cap[0]}.{cap[1]}; use method='grouped'"
+        )
     T, H = x.shape
     E, I2, _ = gate_up.shape
     k, n = ids.shape[1], ids.numel()

@@ -29,13 +29,19 @@ from hetero_infer.tp_shards import (  # noqa: F401
     COMM_SECONDS,
     _world,
     ParallelLMHead,
+    ParallelMoEBlock,
     RowParallelLinear,
     ShardPlan,
     VocabParallelEmbedding,
     all_gather_last,
     all_reduce,
+    all_to_all,
+    ep_combine,
+    ep_dispatch,
     load_shard,
     local_config,
+    moe_all_to_all,
+    moe_shard,
     shard_model,
     shard_of,
     shard_plan,
@@ -211,7 +217,8 @@ def rank_runner(config, rank: int, world_size: int) -> ModelRunner:
         torch.cuda.set_device(device)
     d = json.loads((Path(config.model) / "config.json").read_text())
     dtype = resolve_dtype(config.dtype, device, d.get("torch_dtype") or d.get("dtype"))
-    plan = shard_plan(parse_config(d), rank, world_size)
+    ep = getattr(config, "enable_expert_parallel", False)
+    plan = shard_plan(parse_config(d), rank, world_size, ep)
     cfg = dataclasses.replace(config, device=device)
     model = load_shard(config.model, plan, dtype, device)
     if rank == 0:
@@ -290,7 +297,10 @@ def start_workers(config, world_size: int) -> TensorParallelRunner:
 
     _check_spawnable()
     shard_plan(
-        parse_config(json.loads((Path(config.model) / "config.json").read_text())), 0, world_size
+        parse_config(json.loads((Path(config.model) / "config.json").read_text())),
+        0,
+        world_size,
+        getattr(config, "enable_expert_parallel", False),
     )  # refuse before spawning
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")

@@ -12,7 +12,7 @@ import torch
 from .attention import AttentionMetadata
 from .quant_checkpoints import is_prequantized
 from .quantization import quantize_model, resolve_kv_cache_dtype
-from .layers import LlamaModel, ModelConfig
+from .layers import LlamaModel, ModelConfig, pack_linears
 from .loading import attention_backend_for, load_model, set_cpu_threads
 from .loading import resolve_device, resolve_dtype
 
@@ -63,8 +63,10 @@ class ModelRunner:
             config.attention_backend, model.config, self.dtype, self.device, self.cache_dtype
         )
         self._check_windows()
+        self._check_experts()
         on_cpu = self.device.type == "cpu"
         self.threads = set_cpu_threads() if on_cpu else None  # intra-op threads on CPU
+        self.packed = pack_linears(self.model) if on_cpu else 0  # layers in oneDNN's layout
         self.block_size = config.block_size
         self.max_model_len = self._max_model_len()
         self.num_blocks = config.num_blocks or self._num_blocks()
@@ -179,6 +181,14 @@ class ModelRunner:
             f"quantization=w8a8: {len(fb)} of {len(r.layers)} layers fell back to int8: {names}"
         )
 
+    def _check_experts(self):
+        "Refuse enable_expert_parallel for a dense model: it has no experts to split."
+        if getattr(self.config, "enable_expert_parallel", False) and self.model.config.moe is None:
+            raise ValueError(
+                f"enable_expert_parallel=True but this {self.model.config.architecture} has no "
+                "mixture-of-experts layers; leave enable_expert_parallel False"
+            )
+
     def _check_windows(self):
         "Refuse a sliding-window model on a backend whose `forward` takes no `window`."
         c, b = self.model.config, self.model.backend
@@ -207,6 +217,8 @@ class ModelRunner:
             + 4 * c.hidden_size
             + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         )
+        if c.moe is not None:  # a MoE layer's T*k token-expert pairs: gate/up, act, out (grouped)
+            width += c.moe.top_k * (3 * c.moe.intermediate_size + 2 * c.hidden_size)
         return (
             cfg.max_num_batched_tokens * width * torch.empty(0, dtype=self.dtype).element_size()
             + 3 * cfg.max_num_seqs * c.vocab_size * 4

@@ -11,7 +11,14 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ["FAMILIES", "DUMMY_CONFIGS", "tiny_hf_checkpoint", "hf_shapes", "dummy_checkpoint"]
+__all__ = [
+    "FAMILIES",
+    "MOE_TEST_FAMILIES",
+    "DUMMY_CONFIGS",
+    "tiny_hf_checkpoint",
+    "hf_shapes",
+    "dummy_checkpoint",
+]
 
 # %% ../nbs/05a_testing.ipynb #131b0061
 FAMILIES = {
@@ -20,13 +27,24 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
+MOE_TEST_FAMILIES = {  # the mixture-of-experts families (chapter 16): 8 experts, top-2
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",  # with a shared expert
+}
+_MOE_KW = {
+    "qwen3_moe": dict(head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, intermediate_size=32, sliding_window=None),
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+}
 
 
 def tiny_hf_checkpoint(
     path,  # directory to write config.json and *.safetensors to
-    family: str = "llama",  # one of FAMILIES
+    family: str = "llama",  # one of FAMILIES or MOE_TEST_FAMILIES
     seed: int = 0,
     max_shard_size=None,  # e.g. "20KB" to write several shards and an index
+    fused: bool = False,  # MoE: write the experts fused (experts.gate_up_proj), one file
     **overrides,
 ):  # config fields, e.g. rope_scaling=..., tie_word_embeddings=True
     "Save a tiny random-weight HF model of `family` (hidden 64, 2 layers, vocab 256); return it."
@@ -47,7 +65,9 @@ def tiny_hf_checkpoint(
         kw["head_dim"] = 16
     if family == "mistral":
         kw["sliding_window"] = None
-    arch = FAMILIES[family]
+    if family in MOE_TEST_FAMILIES:
+        kw |= dict(num_experts_per_tok=2, **_MOE_KW[family])
+    arch = {**FAMILIES, **MOE_TEST_FAMILIES}[family]
     # copies: transformers edits rope dicts in place
     overrides = {k: dict(v) if isinstance(v, dict) else v for k, v in overrides.items()}
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**{**kw, **overrides})
@@ -59,6 +79,8 @@ def tiny_hf_checkpoint(
                 p.normal_(0, 0.5)
             elif "norm" in n:
                 p.uniform_(0.5, 1.5)
+            elif n.endswith(".gate.weight"):  # a MoE router: spread, so a wrong expert shows
+                p.normal_(0, 0.5)
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in test logs and notebooks
@@ -67,6 +89,13 @@ def tiny_hf_checkpoint(
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    if fused:  # the names transformers holds in memory (save_pretrained writes one per expert)
+        from safetensors.torch import save_file
+
+        for f in Path(path).glob("model*.safetensors*"):
+            f.unlink()
+        sd = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+        save_file(sd, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
     return model
 
 
@@ -173,6 +202,31 @@ DUMMY_CONFIGS = {
         "vocab_size": 1024,
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    },
+    "qwen3-moe-small": {  # Qwen3-30B-A3B's routing (top-8 of 64+ experts), at a CPU's size
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "moe_intermediate_size": 128,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "vocab_size": 8192,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
         "bos_token_id": 1,
         "eos_token_id": 2,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from safetensors import safe_open
 from .model import LlamaModel, ModelConfig, parse_config, hf_names, checkpoint_files
+from .moe import MoEBlock, expert_shard, load_moe_weights, moe_layer_names
 
 # %% auto #0
 __all__ = [
@@ -31,6 +32,12 @@ __all__ = [
     "shard_model",
     "shard_of",
     "load_shard",
+    "ParallelMoEBlock",
+    "moe_shard",
+    "all_to_all",
+    "ep_dispatch",
+    "ep_combine",
+    "moe_all_to_all",
 ]
 
 
@@ -46,6 +53,8 @@ class ShardPlan:
     inter: range  # intermediate (MLP) features of this rank
     vocab: range  # vocabulary rows of this rank, within the padded vocabulary
     vocab_per_rank: int  # rows every rank holds (the padded vocabulary / world_size)
+    experts: range | None = None  # MoE: the experts this rank holds (all of them without EP)
+    moe_inter: range | None = None  # MoE: the features of each held expert (all of them with EP)
 
 
 def _split(n: int, rank: int, world: int) -> range:
@@ -53,9 +62,11 @@ def _split(n: int, rank: int, world: int) -> range:
     return range(rank * k, (rank + 1) * k)
 
 
-def shard_plan(c: ModelConfig, rank: int, world_size: int) -> ShardPlan:
+def shard_plan(
+    c: ModelConfig, rank: int, world_size: int, expert_parallel: bool = False
+) -> ShardPlan:
     """What rank `rank` of `world_size` holds; raises naming tensor_parallel_size when the model
-    cannot be split that way."""
+    cannot be split that way (or enable_expert_parallel, for the experts)."""
 
     def need(ok, what):
         if not ok:
@@ -74,6 +85,7 @@ def shard_plan(c: ModelConfig, rank: int, world_size: int) -> ShardPlan:
             rank * c.num_kv_heads // world_size, rank * c.num_kv_heads // world_size + 1
         )  # replicated
     per = -(-c.vocab_size // world_size)
+    experts, moe_inter = _moe_split(c, rank, world_size, expert_parallel)
     return ShardPlan(
         rank,
         world_size,
@@ -82,7 +94,26 @@ def shard_plan(c: ModelConfig, rank: int, world_size: int) -> ShardPlan:
         _split(c.intermediate_size, rank, world_size),
         range(rank * per, (rank + 1) * per),
         per,
+        experts,
+        moe_inter,
     )
+
+
+def _moe_split(c: ModelConfig, rank: int, world: int, ep: bool) -> tuple:
+    "(experts, features of each) of a rank: E/world whole experts (EP), or I/world of every one."
+    if c.moe is None:
+        if ep:
+            raise ValueError(
+                f"enable_expert_parallel=True but this {c.architecture} has no "
+                "mixture-of-experts layers; leave enable_expert_parallel False"
+            )
+        return None, None
+    E, I = c.moe.num_experts, c.moe.intermediate_size
+    if ep:
+        return expert_shard(E, world, rank), range(I)
+    if I % world:
+        raise ValueError(f"tensor_parallel_size ({world}) must divide the experts' width ({I})")
+    return range(E), _split(I, rank, world)
 
 
 # %% ../nbs/13_tensor_parallel.ipynb #410e4f78
@@ -164,11 +195,13 @@ class ParallelLMHead(nn.Module):
 def local_config(c: ModelConfig, plan: ShardPlan) -> ModelConfig:
     """The model config of one rank: its head counts and intermediate size; the vocabulary stays
     whole."""
+    moe = c.moe and dataclasses.replace(c.moe, intermediate_size=len(plan.moe_inter))
     return dataclasses.replace(
         c,
         num_heads=len(plan.q_heads),
         num_kv_heads=len(plan.kv_heads),
         intermediate_size=len(plan.inter),
+        moe=moe,
     )
 
 
@@ -182,7 +215,13 @@ def shard_model(c: ModelConfig, plan: ShardPlan) -> LlamaModel:
             layer.self_attn.o_proj = RowParallelLinear(
                 lc.num_heads * c.head_dim, c.hidden_size, c.o_bias
             )
-            layer.mlp.down_proj = RowParallelLinear(lc.intermediate_size, c.hidden_size, c.mlp_bias)
+            if isinstance(layer.mlp, MoEBlock):  # a partial sum over experts or features
+                layer.mlp = ParallelMoEBlock(lc.moe, experts=plan.experts)
+                layer.mlp.owns_shared = plan.rank == 0
+            else:
+                layer.mlp.down_proj = RowParallelLinear(
+                    lc.intermediate_size, c.hidden_size, c.mlp_bias
+                )
         m.embed_tokens = VocabParallelEmbedding(
             plan.vocab_per_rank, c.hidden_size, plan.vocab.start
         )
@@ -246,10 +285,19 @@ def load_shard(path, plan: ShardPlan, dtype: torch.dtype, device="cpu") -> Llama
             raise ValueError(f"checkpoint {path} lacks weight {hf_name}")
         return with_files[hf_name].get_slice(hf_name)
 
+    moe = moe_layer_names(with_files, c.moe, c.moe_layers) if c.moe else {}
+    blocks = {}  # layer -> this rank's part of its MoE block, popped as it is placed
     for n, p in dict(
         m.named_parameters()
     ).items():  # a tied lm_head appears once, as embed_tokens.weight
-        t = shard_of(n, get, c, plan).to(device=device, dtype=dtype)
+        i = int(n.split(".")[1]) if n.startswith("layers.") and ".mlp." in n else None
+        if i in moe:
+            if i not in blocks:
+                blocks[i] = moe_shard(_Lazy(with_files), moe[i][0], c, plan)
+            t = blocks[i].pop(n.removeprefix(f"layers.{i}.mlp."))
+        else:
+            t = shard_of(n, get, c, plan)
+        t = t.to(device=device, dtype=dtype)
         if t.shape != p.shape:
             raise ValueError(
                 f"weight {n}: shard of shape {tuple(t.shape)}, rank {plan.rank} expects "
@@ -260,3 +308,87 @@ def load_shard(path, plan: ShardPlan, dtype: torch.dtype, device="cpu") -> Llama
     if c.tie_word_embeddings:
         m.lm_head.weight = m.embed_tokens.weight
     return m.to(device).eval()
+
+
+# %% ../nbs/13_tensor_parallel.ipynb #11717ab6
+class ParallelMoEBlock(MoEBlock):
+    "A MoE block holding some experts or some features of each: partial sums, one all-reduce."
+
+    def forward(self, x):  # (T, H), the same on every rank -> (T, H)
+        return all_reduce(super().forward(x))
+
+
+class _Lazy:
+    "Checkpoint tensors by name (what `load_moe_weights` reads): fused experts as slices."
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def __contains__(self, name):
+        return name in self.handles
+
+    def __getitem__(self, name):
+        h = self.handles[name]
+        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        return h.get_slice(name) if fused else h.get_tensor(name)  # a slice reads rows on `[]`
+
+
+def moe_shard(tensors, prefix: str, c: ModelConfig, plan: ShardPlan) -> dict:
+    "One rank's part of a MoE layer: its experts (`plan.experts`), their features `plan.moe_inter`."
+    state = load_moe_weights(tensors, prefix, c.moe, plan.experts)
+    r, I = plan.moe_inter, c.moe.intermediate_size
+    if len(r) < I:  # TP over experts: gate rows r, up rows I + r, down columns r
+        gu = state["experts.gate_up_proj"]
+        state["experts.gate_up_proj"] = torch.cat(
+            [gu[:, r.start : r.stop], gu[:, I + r.start : I + r.stop]], dim=1
+        )
+        state["experts.down_proj"] = state["experts.down_proj"][:, :, r.start : r.stop]
+    return state
+
+
+# %% ../nbs/13_tensor_parallel.ipynb #2234d085
+def all_to_all(x: torch.Tensor, send: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Exchange rows: `x` holds `send[r]` rows for rank `r`, in rank order; returns the rows
+    received, grouped by source rank, and how many came from each."""
+    world = _world()
+    if world == 1:
+        return x, send
+    t = time.perf_counter()
+    recv = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(recv, torch.tensor(send, dtype=torch.int64))  # the counts first
+    recv = recv.tolist()
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv, send)
+    COMM_BYTES["all_to_all"] = COMM_BYTES.get("all_to_all", 0) + x.numel() * x.element_size()
+    COMM_SECONDS["all_to_all"] = COMM_SECONDS.get("all_to_all", 0.0) + time.perf_counter() - t
+    return out, recv
+
+
+def ep_dispatch(x, weights, ids, experts_per_rank: int):  # x (T, H), weights/ids (T, k)
+    """Send each token-expert pair to the rank holding its expert: the rows received (R, H),
+    their weights (R,) and expert ids (R,), and what `ep_combine` needs to send them back."""
+    k = ids.shape[1]
+    dest = (ids // experts_per_rank).reshape(-1)  # (T*k,) the rank of each pair's expert
+    order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
+    send = torch.bincount(dest, minlength=_world()).tolist()
+    rows, recv = all_to_all(x[order // k], send)
+    w, _ = all_to_all(weights.reshape(-1)[order].float(), send)
+    e, _ = all_to_all(ids.reshape(-1)[order], send)
+    return rows, w, e, (order // k, recv)
+
+
+def ep_combine(y: torch.Tensor, state, num_tokens: int) -> torch.Tensor:  # y (R, H) -> (T, H)
+    "Send the weighted outputs of the received pairs back and add each into its token."
+    tok, recv = state
+    back, _ = all_to_all(y, recv)  # in the order the pairs were sent
+    return y.new_zeros(num_tokens, y.shape[1]).index_add_(0, tok, back)
+
+
+def moe_all_to_all(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+    "A MoE layer over this rank's own tokens, its pairs run on the ranks holding their experts."
+    weights, ids = block.route(x)
+    rows, w, e, state = ep_dispatch(x, weights, ids, len(block.held))
+    out = ep_combine(block.run_experts(rows, w[:, None], e[:, None]), state, x.shape[0])
+    if block.cfg.shared_expert_intermediate_size:  # every rank, for its own tokens
+        out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return out

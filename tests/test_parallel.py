@@ -1,8 +1,10 @@
 """Tensor parallelism on CPU (gloo, 2 processes on 127.0.0.1): greedy output with
 tensor_parallel_size=2 equals one process and transformers for every family (one replicated KV
 head, a vocabulary not divisible by 2, tied and untied embeddings), also with chunked prefill,
-prefix caching and preemption; the server answers with 2 ranks and leaves no process behind; a
-worker that dies ends the engine with an error naming it, within the timeout."""
+prefix caching and preemption; mixture-of-experts models with TP over experts and with expert
+parallelism, and the all-to-all dispatch against the replicated form; the server answers with 2
+ranks and leaves no process behind; a worker that dies ends the engine with an error naming it,
+within the timeout."""
 
 import os
 import signal
@@ -74,6 +76,81 @@ def test_tp2_with_chunked_prefill_prefix_caching_and_preemption(tmp_path):
         llm.close()
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
     assert stats["preemptions"] > 0 and stats["prefix_cache"]["cache_hits"] > 0, stats
+
+
+@pytest.mark.parametrize(
+    "family, ep",
+    [("qwen3_moe", False), ("mixtral", True), ("qwen2_moe", False)],  # EP + Qwen2-MoE: below
+)
+def test_moe_tp2_and_expert_parallel_equal_transformers(family, ep, tmp_path):
+    "TP over experts (each rank half of every expert) and EP (each rank half of the experts)."
+    hf = tiny_hf_checkpoint(tmp_path, family, bos_token_id=None, eos_token_id=None)
+    ps = prompts((3, 17, 40, 9))
+    got = _run(tmp_path, ps, tensor_parallel_size=2, enable_expert_parallel=ep)
+    assert got == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
+
+
+def test_moe_tp2_ep_with_chunked_prefill_prefix_caching_and_preemption(tmp_path):
+    hf = tiny_hf_checkpoint(tmp_path, "qwen2_moe", bos_token_id=None, eos_token_id=None)
+    shared = prompts((32,), seed=3)[0]
+    ps = [shared + p for p in prompts((5, 9, 13, 2), seed=4)] + prompts((30,), seed=5)
+    kw = dict(max_num_batched_tokens=32, num_blocks=8, max_num_seqs=4, enable_prefix_caching=True)
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        outs = llm.generate(ps, GREEDY, use_tqdm=False)
+        stats = llm.engine.stats
+    finally:
+        llm.close()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
+    assert stats["preemptions"] > 0 and stats["prefix_cache"]["cache_hits"] > 0, stats
+
+
+def _all_to_all_rank(rank, world, init):
+    "One rank: the all-to-all MoE of its own tokens equals the whole layer and the replicated one."
+    import torch.distributed as dist
+    from hetero_infer.parallel import init_group
+
+    init_group(rank, world, init, "cpu", timeout=30)
+    for family in ("qwen3_moe", "qwen2_moe"):  # without and with a shared expert
+        _all_to_all_check(rank, world, family)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _all_to_all_check(rank, world, family):
+    import torch
+    from hetero_infer.moe import MoEBlock, MoEConfig, expert_shard
+    from hetero_infer.parallel import all_reduce, moe_all_to_all
+    from hetero_infer.tp_shards import COMM_BYTES
+
+    torch.manual_seed(0)  # the same weights on every rank
+    shared = 24 if family == "qwen2_moe" else 0
+    cfg = MoEConfig(8, 3, 32, 16, shared_expert_intermediate_size=shared, family=family)
+    full = MoEBlock(cfg, "grouped").requires_grad_(False)
+    for p in full.parameters():
+        p.normal_(0, 0.3)
+    experts = expert_shard(8, world, rank)
+    state = {k: (v[experts.start : experts.stop] if k.startswith("experts.") else v)
+             for k, v in full.state_dict().items()}  # fmt: skip
+    local = MoEBlock(cfg, "grouped", experts)
+    local.load_state_dict(state)
+    local.owns_shared = rank == 0
+    xs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in (5, 1)]
+    mine = xs[rank]  # different tokens, and a different count, per rank
+    got = moe_all_to_all(local, mine)
+    torch.testing.assert_close(got, full(mine), rtol=1e-5, atol=1e-5)
+    assert COMM_BYTES["all_to_all"] > 0
+    every = torch.cat(xs)  # the replicated form over everyone's tokens, for this rank's rows
+    rep = all_reduce(local(every)).split([len(x) for x in xs])[rank]  # every rank reduces
+    torch.testing.assert_close(got, rep, rtol=1e-5, atol=1e-5)
+
+
+def test_all_to_all_dispatch_equals_the_replicated_form():
+    import torch.multiprocessing as mp
+    from hetero_infer.parallel import _free_port
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_all_to_all_rank, args=(2, init), nprocs=2, join=True)
 
 
 def test_tp_refuses_a_split_the_model_cannot_take(tmp_path):
