@@ -158,6 +158,8 @@ class EngineConfig:
     seed: int = 0  # seed of the engine's default generator
     max_retry_attempts: int = 2  # retries of a request whose step raised, then "error"
     tensor_parallel_size: int = 1  # processes (ranks) one model is split across (13)
+    # MoE models: split the experts over the tensor-parallel ranks, not each expert (16)
+    enable_expert_parallel: bool = False
     # None, "ngram" (prompt lookup) or "draft" (a smaller model): 12_speculative_decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3  # tokens proposed per sequence per step when speculating
@@ -268,7 +270,7 @@ class EngineConfig:
                 f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
                 f"got {self.max_num_batched_tokens}",
             )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_expert_parallel"):
             _check(
                 isinstance(getattr(self, name), bool),
                 name,
