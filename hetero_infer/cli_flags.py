@@ -81,6 +81,8 @@ ENGINE_FLAGS = {
         "seed of the engine's default generator"),
     "tensor_parallel_size": (["--tensor-parallel-size", "-tp"], int, None,
         "processes one model is split across (tensor parallelism, 13_tensor_parallel)"),
+    "enable_expert_parallel": (["--enable-expert-parallel"], bool, None,
+        "MoE models: split the experts over the tensor-parallel ranks (16)"),
     "speculative_method": (["--speculative-method"], str, SPECULATIVE_METHODS,
         "speculative decoding: ngram (prompt lookup) or draft (a smaller model); "
         "12_speculative_decoding (default: off)"),
