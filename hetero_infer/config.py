@@ -168,6 +168,7 @@ class EngineConfig:
     prompt_lookup_max: int = 3  # longest n-gram it tries first
     quantization: str | None = None  # None, "int8" or "w8a8": linear weights at load (15)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8": the paged cache (15)
+    quantize_lm_head: bool = True  # with quantization: the embedding and lm_head in int8 too (15)
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self):
@@ -270,7 +271,8 @@ class EngineConfig:
                 f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
                 f"got {self.max_num_batched_tokens}",
             )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_expert_parallel"):
+        bools = ("enable_prefix_caching", "enable_chunked_prefill", "enable_expert_parallel")
+        for name in (*bools, "quantize_lm_head"):
             _check(
                 isinstance(getattr(self, name), bool),
                 name,

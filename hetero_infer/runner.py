@@ -145,7 +145,8 @@ class ModelRunner:
                         f"quantization='w8a8' needs layers whose sizes are multiples of 8 on "
                         f"CUDA (torch._int_mm); {name} is {m.out_features} x {m.in_features}"
                     )
-        return quantize_model(self.model, mode)
+        keep = () if getattr(self.config, "quantize_lm_head", True) else ("lm_head",)
+        return quantize_model(self.model, mode, skip=keep)  # keep: a tied pair stays together
 
     def startup_lines(self) -> list[str]:
         "What the runner did at start: quantization (layers, bytes) and the KV cache (blocks)."

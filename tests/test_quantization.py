@@ -506,3 +506,41 @@ def test_bench_offline_times_quantized_against_plain(tiny, tmp_path, capsys):
     assert "without quantization=int8, kv_cache_dtype=fp8" in res["results"][1]["system"]
     assert res["config"]["quantization"] == "int8" and res["config"]["kv_cache_dtype"] == "fp8"
     assert "without quantization=int8" in capsys.readouterr().out  # the printed table
+
+
+# --- quantize_lm_head: the embedding and lm_head in int8 (default) or kept in float ---
+
+
+def test_quantize_lm_head_option(tmp_path):
+    """`quantize_lm_head=False` keeps a tied embedding/lm_head in float (one table, not two);
+    the default quantizes it as one int8 table; a non-bool is refused naming the field."""
+    from hetero_infer.core import EngineConfig
+    from hetero_infer.testing import tiny_hf_checkpoint
+
+    path = tmp_path / "tied"
+    tiny_hf_checkpoint(path, "qwen2", seed=1, tie_word_embeddings=True)
+    llm, ref = _greedy(str(path), n=16, max_tokens=1)
+    on, got_on = _greedy(str(path), n=16, max_tokens=1, quantization="int8")
+    off, got_off = _greedy(
+        str(path), n=16, max_tokens=1, quantization="int8", quantize_lm_head=False
+    )
+    rep_on, rep_off = on.engine.runner.quant_report, off.engine.runner.quant_report
+    assert rep_on.tied == {"lm_head": "embed_tokens"} and rep_on.skipped == []
+    assert sorted(rep_off.skipped) == ["embed_tokens", "lm_head"] and rep_off.embeddings == {}
+    m = off.engine.runner.model
+    assert m.lm_head.weight is m.embed_tokens.weight  # still one float table
+    assert rep_on.bytes_after < rep_off.bytes_after < rep_off.bytes_before
+    for got in (got_on, got_off):
+        assert sum(r == g for r, g in zip(ref, got)) >= 15
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        EngineConfig(quantize_lm_head="no")
+
+
+def test_cli_quantize_lm_head_flag():
+    from hetero_infer.cli_config import engine_config
+    from hetero_infer.cli_flags import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["generate", "--quantization", "int8", "--no-quantize-lm-head", "x"])
+    assert engine_config(a).quantize_lm_head is False and engine_config(a).quantization == "int8"
+    assert engine_config(p.parse_args(["serve"])).quantize_lm_head is True  # the default
