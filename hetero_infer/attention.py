@@ -8,6 +8,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionBackend",
     "TorchAttentionBackend",
+    "CppAttentionBackend",
     "register_attention_backend",
     "get_attention_backend",
 ]
@@ -21,6 +22,7 @@ from .core import ATTENTION_BACKENDS
 from .torch_attention import AttentionBucket, bucket_keys, bucketed_attention
 from .torch_attention import paged_decode_attention, paged_prefill_attention
 from .torch_attention import plan_attention, write_kv
+from .torch_attention import CPP_HEAD_SIZES, cpp_decode_op, cpp_paged_decode_attention
 
 
 # %% ../nbs/03_attention_reference.ipynb #1f3804be
@@ -266,11 +268,47 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
 
+# %% ../nbs/03_attention_reference.ipynb #c99d0012
+class CppAttentionBackend(TorchAttentionBackend):
+    "The torch backend whose decode rows the compiled C++ kernel attends in place (CPU)."
+
+    name = "cpp"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=None):
+        "Write this step's K/V; decodes by the C++ kernel, prefill rows by the bucketed plan."
+        nd, D = meta.num_decodes, q.shape[-1]
+        if nd == 0 or D not in CPP_HEAD_SIZES or q.device.type != "cpu" or k_cache.dtype != q.dtype:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
+        if not cpp_decode_op():  # no compiler here: said once, then the torch backend's path
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        bt, sl = meta.block_tables[:nd], meta.seq_lens[:nd]
+        out = cpp_paged_decode_attention(q[:nd], k_cache, v_cache, bt, sl, scale, window)
+        if nd == meta.num_seqs:
+            return out
+        key = ("prefill rows", k_cache.shape[1], window, bucket_keys(k_cache))
+        if key not in meta.plans:  # the prefill rows' plan, once per step
+            qsl = meta.query_start_loc[nd:].tolist()
+            meta.plans[key] = plan_attention(
+                meta.seq_lens[nd:].tolist(),
+                [b - a for a, b in zip(qsl, qsl[1:])],
+                meta.block_tables[nd:],
+                k_cache.shape[1],
+                window,
+                bucket_keys(k_cache),
+            )
+        rest = bucketed_attention(q[nd:], k_cache, v_cache, meta.plans[key], scale)
+        return torch.cat([out, rest])
+
+
 # %% ../nbs/03_attention_reference.ipynb #96db555f
 BACKEND_PROVIDERS = {
     "triton": "hetero_infer.kernels"
 }  # backend -> the module that registers it when imported
-_backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+_backends: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "cpp": CppAttentionBackend,
+}
 
 
 def register_attention_backend(

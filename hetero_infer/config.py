@@ -56,7 +56,8 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on CPU
+# auto: triton on CUDA, torch on CPU; cpp: torch with a compiled C++ decode kernel (CPU, opt-in)
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpp")
 DEFAULT_HOST = "127.0.0.1"  # where the OpenAI-compatible server listens unless told
 DEFAULT_PORT = 3000  # hetero-paged-infer's port; the server and the CLI use it too
 

@@ -2,6 +2,9 @@
 
 # %% ../nbs/03_attention_reference.ipynb #aec7eeba
 from __future__ import annotations
+import logging
+import time
+import warnings
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,9 @@ import torch.nn.functional as F
 __all__ = [
     "FP8_KV_MAX",
     "BUCKET_BYTES",
+    "CPP_DECODE_SOURCE",
+    "CPP_FLAGS",
+    "CPP_HEAD_SIZES",
     "to_cache_dtype",
     "write_kv",
     "gather_kv",
@@ -20,6 +26,8 @@ __all__ = [
     "bucket_keys",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "cpp_decode_op",
+    "cpp_paged_decode_attention",
 ]
 
 # %% ../nbs/03_attention_reference.ipynb #02378569
@@ -304,3 +312,132 @@ def paged_prefill_attention(
         bucket_keys(k_cache),
     )
     return bucketed_attention(q, k_cache, v_cache, plan, scale)
+
+
+# %% ../nbs/03_attention_reference.ipynb #c99d0002
+CPP_DECODE_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+template <typename T, int64_t D>
+static void decode(const T* q, const T* kc, const T* vc, const int* bt, const int* lens, T* out,
+                   int64_t S, int64_t Hq, int64_t Hkv, int64_t bs, int64_t M, float scale,
+                   int64_t window) {
+  const int64_t g = Hq / Hkv;
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(g * D), acc(g * D), sum(g), sc;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t s = w / Hkv, h = w % Hkv, L = lens[s];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const int64_t n = L - start;
+      sc.resize(g * n);
+      for (int64_t j = 0; j < g * D; ++j) qf[j] = float(q[(s * Hq + h * g) * D + j]) * scale;
+      for (int64_t p = start; p < L; ++p) {  // scores: q . k of every key, read in place
+        const T* k = kc + ((int64_t(bt[s * M + p / bs]) * bs + p % bs) * Hkv + h) * D;
+        for (int64_t j = 0; j < g; ++j) {
+          float a = 0.f;
+          for (int64_t d = 0; d < D; ++d) a += qf[j * D + d] * float(k[d]);
+          sc[j * n + p - start] = a;
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {  // softmax numerators, one vectorized pass per query
+        float* x = sc.data() + j * n;
+        float m = x[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
+        float z = 0.f;
+        for (int64_t i = 0; i < n; ++i) {
+          x[i] = std::exp(x[i] - m);
+          z += x[i];
+        }
+        sum[j] = z;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = start; p < L; ++p) {  // weights times values
+        const T* v = vc + ((int64_t(bt[s * M + p / bs]) * bs + p % bs) * Hkv + h) * D;
+        for (int64_t j = 0; j < g; ++j) {
+          const float e = sc[j * n + p - start];
+          for (int64_t d = 0; d < D; ++d) acc[j * D + d] += e * float(v[d]);
+        }
+      }
+      for (int64_t j = 0; j < g * D; ++j) out[(s * Hq + h * g) * D + j] = T(acc[j] / sum[j / D]);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                        const at::Tensor& bt, const at::Tensor& lens, double scale,
+                        int64_t window) {
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    auto run = [&](auto d) {  // head sizes as compile-time constants: unrolled, vectorized dots
+      decode<scalar_t, decltype(d)::value>(
+          q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+          bt.data_ptr<int>(), lens.data_ptr<int>(), out.data_ptr<scalar_t>(), q.size(0),
+          q.size(1), kc.size(2), kc.size(1), bt.size(1), (float)scale, window);
+    };
+    switch (q.size(2)) {
+      case 32: run(std::integral_constant<int64_t, 32>()); break;
+      case 64: run(std::integral_constant<int64_t, 64>()); break;
+      case 128: run(std::integral_constant<int64_t, 128>()); break;
+      default: TORCH_CHECK(false, "paged_decode: head size ", q.size(2), " not compiled");
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(hetero_infer, m) { m.def("paged_decode", &paged_decode); }
+"""
+CPP_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]  # vectorized sums and exp
+CPP_HEAD_SIZES = (32, 64, 128)  # head sizes the kernel is compiled for (constants: unrolled)
+_cpp = {}  # "op": the compiled op, once built; "error": why it could not be
+_log = logging.getLogger("hetero_infer.attention")
+
+
+def cpp_decode_op():
+    "The compiled paged-decode op, built on first call (then cached on disk); None if it can't be."
+    if not _cpp:
+        _log.info("compiling the C++ paged-decode kernel for this CPU (once; cached on disk) ...")
+        t = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            load_inline(
+                "hetero_infer_paged_decode",
+                CPP_DECODE_SOURCE,
+                is_python_module=False,
+                extra_cflags=CPP_FLAGS,
+                extra_ldflags=["-fopenmp"],
+            )
+            _cpp["op"] = torch.ops.hetero_infer.paged_decode
+            _cpp["seconds"] = time.perf_counter() - t
+            _log.info(f"C++ paged-decode kernel ready in {_cpp['seconds']:.1f} s")
+        except Exception as e:  # no compiler, no headers: the bucketed path serves instead
+            _cpp["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"C++ paged-decode kernel unavailable ({_cpp['error']}); using SDPA")
+    return _cpp.get("op")
+
+
+def cpp_paged_decode_attention(
+    q: torch.Tensor,  # (S, Hq, D) one query per sequence
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), in q's dtype
+    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
+    block_tables: torch.Tensor,  # (S, M) int32
+    seq_lens: torch.Tensor,  # (S,) int32 context length incl. this token
+    scale: float,
+    window: int | None = None,  # sliding window; None: the whole context
+) -> torch.Tensor:  # (S, Hq, D)
+    "`paged_decode_attention` by the compiled kernel, reading K and V in place (one call)."
+    return cpp_decode_op()(
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        scale,
+        window or 0,
+    )

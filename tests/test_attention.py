@@ -2,6 +2,7 @@
 contiguous reference."""
 
 import math
+import os
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -395,3 +396,66 @@ def test_fp8_cache_torch_backend():
     assert (kc8[s // 16, s % 16].float() == 448).all() and (
         vc8[s // 16, s % 16].float() == -448
     ).all()
+
+
+# The compiled C++ decode kernel (attention_backend="cpp"). Building it takes about a minute the
+# first time on a machine (then torch caches it on disk), so the kernel's own sweeps run when
+# HETERO_INFER_SLOW_TESTS=1; the backend's fallback and registration always run.
+SLOW = pytest.mark.skipif(
+    os.environ.get("HETERO_INFER_SLOW_TESTS") != "1",
+    reason="compiles the C++ kernel; set HETERO_INFER_SLOW_TESTS=1",
+)
+
+
+def test_cpp_backend_is_configurable_and_falls_back():
+    import hetero_infer.torch_attention as ta
+    from hetero_infer.attention import CppAttentionBackend
+    from hetero_infer.core import EngineConfig
+
+    assert EngineConfig(attention_backend="cpp").attention_backend == "cpp"
+    assert get_attention_backend("cpp").name == "cpp"
+    lens, qlens = [5, 17, 9], [1, 1, 4]
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, 4, 2, 2, 32, torch.float32)
+    saved = dict(ta._cpp)
+    ta._cpp.clear()
+    ta._cpp["error"] = "no C++ compiler (simulated)"
+    try:
+        out = CppAttentionBackend().forward(q, k, v, kc, vc, meta, 32**-0.5)
+    finally:
+        ta._cpp.clear()
+        ta._cpp.update(saved)
+    assert rel_err(out, reference(full, lens, qlens, 32**-0.5)) <= TOL[torch.float32]
+    # a head size the kernel is not compiled for takes the torch path without building anything
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, 4, 2, 2, 24, torch.float32)
+    out = CppAttentionBackend().forward(q, k, v, kc, vc, meta, 24**-0.5)
+    assert rel_err(out, reference(full, lens, qlens, 24**-0.5)) <= TOL[torch.float32]
+
+
+@SLOW
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("g", [1, 2, 7])
+@pytest.mark.parametrize("window", [None, 1, 9])
+def test_cpp_decode_kernel_sweep(dtype, D, g, window):
+    from hetero_infer.torch_attention import cpp_decode_op, cpp_paged_decode_attention
+
+    assert cpp_decode_op() is not None
+    bs = 16
+    lens = ragged_lens(bs)
+    kc, vc, meta, q, k, v, full = make_case(lens, [1] * len(lens), bs, 2, g, D, dtype, seed=D + g)
+    write_kv(k, v, kc, vc, meta.slot_mapping)  # the rest of the NaN-filled cache is never read
+    out = cpp_paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D**-0.5, window)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference(full, lens, [1] * len(lens), D**-0.5, window)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@SLOW
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpp_backend_mixed_step(window):
+    from hetero_infer.attention import CppAttentionBackend
+
+    lens, qlens = [5, 17, 33, 9, 12], [1, 1, 1, 4, 12]  # three decodes, a chunk, a fresh prompt
+    kc, vc, meta, q, k, v, full = make_case(lens, qlens, 4, 2, 4, 64, torch.float32)
+    out = CppAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125, window=window)
+    assert rel_err(out, reference(full, lens, qlens, 0.125, window)) <= TOL[torch.float32]
