@@ -451,7 +451,7 @@ BAD = [
         "E",
         {"attention_backend": "x"},
         "ValueError",
-        "attention_backend must be one of ('auto', 'torch', 'triton'), got 'x'",
+        "attention_backend must be one of ('auto', 'torch', 'triton', 'cpp'), got 'x'",
     ),
     ("E", {"block_size": 3}, "ValueError", "block_size must be a power of two in [1, 256], got 3"),
     (
