@@ -22,6 +22,7 @@ from .bench_vllm import check_vllm_python
 from .bench_load import format_serve, plot_rate_sweep, serve_bench
 from .testing import dummy_checkpoint
 from .bench_args import QUANT_FLAGS, SPECULATIVE_FLAGS, add_bench_arguments
+from .bench_args import KV_OFFLOAD_FLAGS
 
 # other chapters' notebooks import these from here
 from .bench_workload import machine_info as machine_info
@@ -115,6 +116,7 @@ def _speculative_config(args) -> dict | None:
     from hetero_infer.core import EngineConfig
 
     flags = SPECULATIVE_FLAGS + QUANT_FLAGS  # serve has no quantization flags: getattr's None
+    flags += KV_OFFLOAD_FLAGS
     given = {k: getattr(args, k, None) for k in flags if getattr(args, k, None) is not None}
     if not given:
         return None

@@ -11,7 +11,7 @@ from .bench_peers import PEERS
 from .testing import DUMMY_CONFIGS
 
 # %% auto #0
-__all__ = ["SPECULATIVE_FLAGS", "QUANT_FLAGS", "add_bench_arguments"]
+__all__ = ["SPECULATIVE_FLAGS", "QUANT_FLAGS", "KV_OFFLOAD_FLAGS", "add_bench_arguments"]
 
 
 # %% ../nbs/11_benchmarks.ipynb #27352da8
@@ -74,6 +74,43 @@ SPECULATIVE_FLAGS = (
     "prompt_lookup_max",
 )
 QUANT_FLAGS = ("quantization", "kv_cache_dtype")  # 15: ours quantized, and timed plain too
+# 17: ours with a host tier for its KV cache, and timed without it too
+KV_OFFLOAD_FLAGS = ("preemption_mode", "swap_space", "kv_offloading_size")
+
+
+def _gib(text: str) -> float:
+    "A size in GiB >= 0 (argparse names the flag when it is not)."
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < 2**20:
+        raise argparse.ArgumentTypeError(f"must be GiB in [0, 2**20), got {text!r}")
+    return v
+
+
+def _kv_offload_args(g):
+    "The host-tier flags (17_kv_offload) for the engine under test."
+    from hetero_infer.core import PREEMPTION_MODES
+
+    g.add_argument(
+        "--preemption-mode",
+        default=None,
+        choices=PREEMPTION_MODES,
+        help="what ours does with a preempted request's KV (default: the engine's, recompute)",
+    )
+    g.add_argument(
+        "--swap-space",
+        type=_gib,
+        default=None,
+        help="GiB of host memory for swapped-out KV (default: the engine's, 4)",
+    )
+    g.add_argument(
+        "--kv-offloading-size",
+        type=_gib,
+        default=None,
+        help="GiB of host memory for evicted prefix blocks (default: the engine's, 0 = off)",
+    )
 
 
 def _quant_args(g):
@@ -228,6 +265,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _speculative_args(o)
     _quant_args(o)
+    _kv_offload_args(o)
     s = sub.add_parser(
         "serve",
         help="latency and throughput of a server under Poisson load (TTFT, TPOT, ITL, E2E, "
@@ -284,6 +322,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes the started hetero-infer serve splits the model across (default: 1)",
     )
     _speculative_args(s)
+    _kv_offload_args(s)
     s.add_argument(
         "--plot", default=None, help="write the rate-sweep plot (PNG) to this file (default: none)"
     )

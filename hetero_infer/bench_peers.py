@@ -18,6 +18,7 @@ from .bench_vllm import vllm_peer, vllm_spec
 # %% auto #0
 __all__ = [
     "PEERS",
+    "KV_OFFLOAD_KEYS",
     "ours_job",
     "run_ours",
     "hf_static_job",
@@ -194,10 +195,14 @@ def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
     }
 
 
+KV_OFFLOAD_KEYS = ("preemption_mode", "swap_space", "kv_offloading_size")  # 17's host tier
+
+
 def _plain_label(extra: dict) -> str:
     "What ours-plain runs without: speculative decoding and/or quantization (15)."
     parts = ["speculative decoding"] if extra.get("speculative_method") else []
     parts += [f"{k}={v}" for k, v in extra.items() if k in ("quantization", "kv_cache_dtype")]
+    parts += [f"{k}={v}" for k, v in extra.items() if k in KV_OFFLOAD_KEYS]  # 17
     return ", ".join(parts)
 
 

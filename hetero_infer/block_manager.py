@@ -50,6 +50,7 @@ class BlockStats:
     cached_tokens: int = 0  # tokens served from the prefix cache
     evictions: int = 0  # cached blocks evicted (LRU) to make room
     cow_copies: int = 0  # blocks copied on write
+    host_hits: int = 0  # full blocks reloaded from the host tier (17) instead of recomputed
 
     @property
     def hit_rate(self) -> float:
@@ -65,6 +66,7 @@ class BlockManager:
         num_blocks: int,  # physical blocks in the pool
         block_size: int,  # tokens per block
         enable_prefix_caching: bool = True,  # share full blocks of identical prefixes
+        host_cache=None,  # a HostPrefixCache (17): evicted cached blocks are copied there first
     ):
         if not (isinstance(num_blocks, int) and num_blocks >= 1):
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
@@ -84,6 +86,11 @@ class BlockManager:
         # seq_id -> leading blocks of its table lent by a sibling, not yet joined
         self.lent: dict[int, int] = {}
         self.stats = BlockStats()
+        self.host = host_cache
+        self.offloads: list[tuple[int, int]] = []  # (device, host): evicted blocks to copy out
+        self.reloads: list[tuple[int, int]] = []  # (host, device): prefix blocks to copy back
+        self.reloaded: list[Sequence] = []  # sequences whose prefix those reloads bring back
+        self.reload_names: dict[int, tuple] = {}  # reloading device block -> (hash, tokens)
 
     def num_free_blocks(self) -> int:
         "Blocks that can be handed out: free ones plus cached ones no table holds."
@@ -100,6 +107,8 @@ class BlockManager:
         else:
             b, _ = self.evictable.popitem(last=False)
             blk = self.blocks[b]
+            if self.host is not None:
+                self._offload(b)
             del self.cached[blk.hash]
             blk.hash, blk.token_ids = None, ()
             self.stats.evictions += 1
@@ -179,8 +188,17 @@ class BlockManager:
             if self.blocks[b].ref_count == 0:
                 del self.evictable[b]
             self.blocks[b].ref_count += 1
+        host = self._host_hits(seq, len(ids)) if self.host is not None else []
         seq.block_table = ids + [self._take() for _ in range(n_new)]
-        seq.num_computed_tokens = seq.num_cached_tokens = len(ids) * self.block_size
+        if host:  # 17: fresh device blocks, filled from the host before the step runs
+            bs = self.block_size
+            for i, h in enumerate(host, len(ids)):
+                b, toks = seq.block_table[i], tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.reloads.append((h, b))
+                self.reload_names[b] = (seq.block_hashes[i], toks)
+            self.reloaded.append(seq)
+            self.stats.host_hits += len(host)
+        seq.num_computed_tokens = seq.num_cached_tokens = (len(ids) + len(host)) * self.block_size
         self.seqs[seq.seq_id] = seq
         s = self.stats
         s.allocations += 1
@@ -374,3 +392,68 @@ class BlockManager:
         for b in seq.block_table[:k]:
             self.blocks[b].ref_count += 1
         seq.num_computed_tokens = k * self.block_size
+
+    # --- the host tier (17_kv_offload) ---
+    def _offload(self, b: int):
+        "Cached block `b` is being evicted: give it a host block to be copied to this step."
+        h = self.host.put(self.blocks[b].hash, self.blocks[b].token_ids)
+        if h is not None:
+            self.offloads.append((b, h))
+
+    def _host_hits(self, seq: Sequence, first: int) -> list[int]:
+        "Host blocks that continue `seq`'s device hits `first..`, pinned until the step's copies."
+        bs, toks, hits = self.block_size, seq.token_ids, []
+        for i in range(first, (len(toks) - 1) // bs):
+            b = self.host.lookup(seq.block_hashes[i], tuple(toks[i * bs : (i + 1) * bs]))
+            if b is None:
+                break
+            self.host.pin(b)
+            hits.append(b)
+        return hits
+
+    def take_transfers(self) -> tuple[list, list, list]:
+        "The (device, host) offloads, (host, device) reloads and reloading sequences so far."
+        out = self.offloads, self.reloads, self.reloaded
+        self.offloads, self.reloads, self.reloaded = [], [], []
+        return out
+
+    def transfers_done(self, offloads: list, reloads: list, ok: bool = True):
+        """The step's host copies ran (`ok`): reloaded blocks become device prefix-cache hits; or
+        they failed: the offloaded host blocks are dropped (the reloading sequences recompute)."""
+        if ok:
+            for _, h in offloads:
+                self.host.unpin(h)
+        else:
+            self.host.drop([h for _, h in offloads])
+        for h, b in reloads:
+            if h in self.host.pins:  # (a dropped block is unpinned already)
+                self.host.unpin(h)
+            hash_, toks = self.reload_names.pop(b)
+            blk = self.blocks[b]
+            if ok and blk.ref_count and blk.hash is None and hash_ not in self.cached:
+                blk.hash, blk.token_ids, self.cached[hash_] = hash_, toks, b
+
+    def restore_needed(self, seqs: list[Sequence], tables: list[list[int]]) -> int:
+        "Device blocks `restore` takes: one per distinct host block, plus each sequence's rest."
+        bs = self.block_size
+        rest = sum(-(-len(s.token_ids) // bs) - len(t) for s, t in zip(seqs, tables))
+        return len({h for t in tables for h in t}) + rest
+
+    def restore(self, seqs: list[Sequence], tables: list[list[int]]) -> list[tuple[int, int]]:
+        """Device blocks for swapped-out `seqs` whose computed KV is in host blocks `tables`
+        (shared where they shared): the (host, device) copies to do, each host block once."""
+        need = self.restore_needed(seqs, tables)
+        if need > self.num_free_blocks():
+            raise NoFreeBlocksError(
+                f"{need} blocks needed to swap in, {self.num_free_blocks()} free"
+            )
+        dev = {h: self._take() for h in dict.fromkeys(h for t in tables for h in t)}
+        for b in dev.values():
+            self.blocks[b].ref_count = 0
+        for s, t in zip(seqs, tables):
+            for h in t:
+                self.blocks[dev[h]].ref_count += 1
+            n = -(-len(s.token_ids) // self.block_size) - len(t)
+            s.block_table = [dev[h] for h in t] + [self._take() for _ in range(n)]
+            self.seqs[s.seq_id] = s
+        return list(dev.items())

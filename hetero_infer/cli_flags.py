@@ -13,6 +13,7 @@ from dataclasses import MISSING, fields
 from hetero_infer.core import (
     ATTENTION_BACKENDS,
     DTYPES,
+    PREEMPTION_MODES,
     SPECULATIVE_METHODS,
     EngineConfig,
     ServingConfig,
@@ -99,6 +100,12 @@ ENGINE_FLAGS = {
     "quantize_lm_head": (["--quantize-lm-head"], bool, None,
         "with --quantization, the embedding and lm_head in int8 too; --no-quantize-lm-head keeps "
         "them in float (0.64x of bf16 instead of 0.50x at Qwen2.5-0.5B, half the KL; 15)"),
+    "preemption_mode": (["--preemption-mode"], str, PREEMPTION_MODES,
+        "recompute a preempted request's KV, or swap it to host memory (17)"),
+    "swap_space": (["--swap-space"], float, None,
+        "GiB of host memory for swapped-out KV blocks (with --preemption-mode swap)"),
+    "kv_offloading_size": (["--kv-offloading-size"], float, None,
+        "GiB of host memory that keeps KV blocks evicted from the prefix cache; 0 = off"),
     "kv_cache_dtype": (["--kv-cache-dtype"], str, KV_CACHE_DTYPES,
         "KV-cache element type; auto = the model's dtype, fp8 = half its bytes (15)"),
 }

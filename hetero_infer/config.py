@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "SPECULATIVE_METHODS",
+    "PREEMPTION_MODES",
     "ServingConfig",
     "resolve_model_path",
     "EngineConfig",
@@ -170,6 +171,10 @@ class EngineConfig:
     quantization: str | None = None  # None, "int8" or "w8a8": linear weights at load (15)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8": the paged cache (15)
     quantize_lm_head: bool = True  # with quantization: the embedding and lm_head in int8 too (15)
+    # "recompute" (drop a preempted request's KV) or "swap" (copy it to host memory): 17
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (preemption_mode=swap)
+    kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix blocks; 0: off
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self):
@@ -288,6 +293,14 @@ class EngineConfig:
             "kv_cache_dtype",
             f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
         )
+        _check(
+            self.preemption_mode in PREEMPTION_MODES,
+            "preemption_mode",
+            f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",
+        )
+        for name in ("swap_space", "kv_offloading_size"):
+            v = getattr(self, name)
+            _check(_is_num(v) and 0 <= v < 2**20, name, f"must be GiB in [0, 2**20), got {v!r}")
 
     def _check_speculative(self):
         "The speculative-decoding fields agree with each other."
@@ -372,6 +385,7 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+PREEMPTION_MODES = ("recompute", "swap")  # what preemption does with a request's KV (17)
 
 
 def _build(cls, d: dict, prefix: str = ""):

@@ -22,6 +22,7 @@ from hetero_infer.config import (  # noqa: F401
     DTYPE_ALIASES,
     DTYPES,
     SPECULATIVE_METHODS,
+    PREEMPTION_MODES,
     EngineConfig,
     ServingConfig,
     _check,
@@ -249,6 +250,7 @@ class SequenceStatus(enum.Enum):
 
     WAITING = "waiting"  # queued for (re)admission; holds no blocks
     RUNNING = "running"  # holds blocks and is scheduled each step
+    SWAPPED = "swapped"  # preempted with its KV copied to host memory (17); no device blocks
     FINISHED_STOPPED = "stop"  # hit eos, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # hit max_tokens or max_model_len
     FINISHED_ABORTED = "abort"  # aborted by the client or the engine
@@ -256,7 +258,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
+        return self.value not in ("waiting", "running", "swapped")
 
     @property
     def finish_reason(self) -> str | None:

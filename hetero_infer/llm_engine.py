@@ -22,6 +22,8 @@ from hetero_infer.core import (
     DEMO_MODEL_DIR,
 )
 from .block_manager import BlockManager
+from .kv_offload import build_kv_tier
+from .swap_space import SwapSpace
 from .request_state import RequestState
 from hetero_infer.tokenization import (
     IncrementalDetokenizer,
@@ -55,10 +57,13 @@ class LLMEngine:
         self.config = config = dataclasses.replace(
             config, max_model_len=self.runner.max_model_len, num_blocks=self.runner.num_blocks
         )
+        self.kv_tier = build_kv_tier(config, self.runner.kv_caches)  # 17's host tier, or None
+        prefix, pool = (self.kv_tier.prefix, self.kv_tier.swap) if self.kv_tier else (None, None)
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.enable_prefix_caching, prefix
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        swap = SwapSpace(pool, self.block_manager) if pool is not None else None
+        self.scheduler = Scheduler(config, self.block_manager, swap)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.speculator = self._speculator()  # None, or the StepPlugin of 12
@@ -154,6 +159,8 @@ class LLMEngine:
         self.plugin.before_schedule(self)  # speculation: proposals join the decodes' tokens
         sched = self.scheduler.schedule()
         self.plugin.after_schedule(sched)  # speculation: keep the proposals the step fits
+        if self.kv_tier is not None:
+            self._transfer(sched)  # 17: copies between host and device memory, before the forward
         if not sched.scheduled:
             return outputs
         try:
@@ -166,6 +173,17 @@ class LLMEngine:
         self.scheduler.update(sched)  # the KV is written: advance, and cache full blocks
         self.plugin.after_update(self, samples)
         return outputs + self._emit(sched, samples)
+
+    def _transfer(self, sched: SchedulerOutput) -> None:
+        "Run the step's host-tier copies (17); if they fail, whatever they touched recomputes."
+        try:
+            self.kv_tier.apply(sched, self.runner.kv_caches)
+        except Exception as e:  # never read KV a failed copy should have brought
+            self.last_error = e
+            self.kv_tier.stats.failures += 1
+            self.scheduler.transfers_failed(sched)
+        else:
+            self.scheduler.transfers_done(sched)
 
     def _sample(self, logits: torch.Tensor, sched: SchedulerOutput) -> list[tuple]:
         "`(seq, tokens, logprobs, tops)` per entry: 1 row to the sampler, more to the plugin."
@@ -370,6 +388,23 @@ class LLMEngine:
             "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
             **({"speculative": self.speculator.stats} if self.speculator is not None else {}),
             **({"structured_outputs": self.structured.stats} if self.structured else {}),
+            **({"kv_offload": self._kv_offload_stats()} if self.kv_tier is not None else {}),
+        }
+
+    def _kv_offload_stats(self) -> dict:
+        "The host tier's counters (17): swaps, prefix hits per tier, copies."
+        st, tier, host = self.scheduler.stats, self.kv_tier, self.kv_tier.prefix
+        return {
+            "swapped": len(self.scheduler.swapped),
+            "swapped_out": st.swapped_out,
+            "swapped_in": st.swapped_in,
+            "recompute_fallbacks": st.recompute_fallbacks,
+            "swap_blocks_free": tier.swap.num_free() if tier.swap else 0,
+            "device_prefix_hits": self.block_manager.stats.cache_hits,
+            "host_prefix_hits": self.block_manager.stats.host_hits,
+            "host_prefix_blocks": len(host.entries) if host else 0,
+            **{f"host_{k}": v for k, v in (dataclasses.asdict(host.stats) if host else {}).items()},
+            **{f"transfer_{k}": v for k, v in dataclasses.asdict(tier.stats).items()},
         }
 
 

@@ -16,6 +16,7 @@ __all__ = ["Scheduler"]
 
 # %% ../nbs/02_scheduler.ipynb #f2ec4857
 _WAITING, _RUNNING = SequenceStatus.WAITING, SequenceStatus.RUNNING
+_SWAPPED = SequenceStatus.SWAPPED
 
 
 class Scheduler:
@@ -26,8 +27,11 @@ class Scheduler:
         self,
         config: EngineConfig,  # limits: max_num_seqs, max_num_batched_tokens, memory_threshold, ...
         block_manager: BlockManager,  # where the KV blocks come from
+        swap=None,  # a SwapSpace (17): preemption_mode="swap" moves a victim's KV there
     ):
-        self.config, self.block_manager = config, block_manager
+        self.config, self.block_manager, self.swap = config, block_manager, swap
+        # swapped out to host memory, in (priority, arrival_time) order; resumed before waiting
+        self.swapped: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()  # holding no blocks; the front is served first
         self.running: list[Sequence] = []  # holding blocks; in (priority, arrival_time) order
         self.stats = SchedulerStats()
@@ -44,12 +48,13 @@ class Scheduler:
         return f"Scheduler(waiting={n}, running={m}, kv usage={u:.0%})"
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def num_admitted(self) -> int:
         """Sequences admitted now (running + waiting); a request not forked yet counts its n
         completions."""
-        return len(self.waiting) + len(self.running) + self.admission.seats_held()
+        n = len(self.waiting) + len(self.running) + len(self.swapped)
+        return n + self.admission.seats_held()
 
     def add(self, seq: Sequence):
         """Queue a new sequence behind those of equal or lower `priority` value; refuse at once one
@@ -69,11 +74,28 @@ class Scheduler:
         w.insert(i, seq)
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput):
-        """Preempt `victim`'s whole request by recompute: free its blocks, forget its KV, put it at
-        the front of the waiting queue."""
+        """Preempt `victim`'s whole request: swap its KV to host memory (17) when asked and there
+        is room, else recompute."""
         rid = victim.request_id
         group = [s for s in self.running if s.request_id == rid]
         self.running = [s for s in self.running if s.request_id != rid]
+        if self.swap is not None and self.swap.can_swap_out(group):
+            out.swap_out += self.swap.swap_out(group)  # device blocks freed, copied out first
+            for s in group:
+                s.status = _SWAPPED
+                s.num_preemptions += 1
+            self._insert(self.swapped, group)
+            out.swapped += group
+            self.stats.preemptions += len(group)
+            self.stats.swapped_out += len(group)
+            return
+        if self.config.preemption_mode == "swap":
+            self.stats.recompute_fallbacks += len(group)
+        self._recompute(group, out)
+
+    def _recompute(self, group: list[Sequence], out: SchedulerOutput):
+        """Preempt `group` (one request, out of `running`) by recompute: free its blocks, forget its
+        KV, put it at the front of the waiting queue."""
         for s in group:
             self.block_manager.free(s)
             if self._parked:
@@ -218,14 +240,77 @@ class Scheduler:
                     out.block_copies += copies
                     self._step_reqs.add(s.request_id)
                     budget -= n
-            i = bisect.bisect_right(
-                self.running,
-                (head.priority, head.arrival_time),
-                key=lambda s: (s.priority, s.arrival_time),
-            )
-            self.running[i:i] = group
+            self._insert(self.running, group)
             self.stats.admitted += len(group)
         return budget
+
+    @staticmethod
+    def _insert(queue: list[Sequence], group: list[Sequence]):
+        "Put `group` (one request) into `queue` in (priority, arrival_time) order."
+        head = group[0]
+        key = (head.priority, head.arrival_time)
+        i = bisect.bisect_right(queue, key, key=lambda s: (s.priority, s.arrival_time))
+        queue[i:i] = group
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Resume swapped requests, front first, while seats, blocks and the memory threshold allow:
+        their KV is copied back before the step, and they go on where they stopped."""
+        cfg, bm = self.config, self.block_manager
+        limit = cfg.memory_threshold * bm.num_blocks
+        while self.swapped and budget > 0:
+            head = self.swapped[0]
+            group = [s for s in self.swapped if s.request_id == head.request_id]
+            seats = len(group) + (
+                head.params.n - 1 if len(group) == 1 and head.num_output_tokens == 0 else 0
+            )  # room for its forks, as in _admit
+            if (
+                len(self.running) + seats > cfg.max_num_seqs
+                or len(out.scheduled) + len(group) > cfg.max_num_seqs
+            ):
+                break
+            need, free = self.swap.blocks_needed(group), bm.num_free_blocks()
+            if need > free or (self.running and bm.num_blocks - free + need > limit):
+                break
+            del self.swapped[: len(group)]
+            out.swap_in += self.swap.swap_in(group)
+            out.resumed += group
+            self.stats.swapped_in += len(group)
+            for s in group:
+                s.status = _RUNNING
+                left = len(s.token_ids) - s.num_computed_tokens
+                n = min(left, budget)
+                if n > 0 and (n == left or cfg.enable_chunked_prefill):
+                    slots, copies = bm.append_slots(s, n)
+                    out.scheduled.append(ScheduledSeq(s, n, slots))
+                    out.block_copies += copies
+                    self._step_reqs.add(s.request_id)
+                    budget -= n
+            self._insert(self.running, group)
+        return budget
+
+    def transfers_failed(self, out: SchedulerOutput):
+        """The step's host copies (17) raised: every sequence they touched recomputes, the prefix
+        blocks offloaded this step are dropped; no stale KV is ever read."""
+        bm, self.stats.transfer_failures = self.block_manager, self.stats.transfer_failures + 1
+        if bm.host is not None:
+            bm.transfers_done(out.offload, out.reload, ok=False)
+        lost = [s for s in out.swapped if s.status is _SWAPPED]  # their host copy is incomplete
+        for s in lost:
+            self.swapped.remove(s)
+            self.swap.forget(s)
+            s.status, s.num_computed_tokens, s.num_cached_tokens = _WAITING, 0, 0
+        self.waiting.extendleft(reversed(lost))
+        gone = {s.request_id for s in out.resumed if s.status is _RUNNING}
+        for rid in gone:
+            self._recompute([s for s in self.running if s.request_id == rid], out)
+            self.running = [s for s in self.running if s.request_id != rid]
+        out.scheduled = [x for x in out.scheduled if x.seq.request_id not in gone]
+        out.num_batched_tokens = sum(x.num_tokens for x in out.scheduled)
+
+    def transfers_done(self, out: SchedulerOutput):
+        "The step's host copies ran: prefix blocks reloaded this step become device cache hits."
+        if self.block_manager.host is not None:
+            self.block_manager.transfers_done(out.offload, out.reload)
 
     def schedule(self) -> SchedulerOutput:
         """Build one step: running decodes, then running prefill chunks, then new prefills from the
@@ -235,8 +320,14 @@ class Scheduler:
         budget = self._schedule_running(out, budget, decodes=True)
         nd = len(out.scheduled)
         budget = self._schedule_running(out, budget, decodes=False)
-        if not out.preempted:
-            budget = self._admit(out, budget)  # no new work in a step that had to preempt
+        if not out.preempted and not out.swapped:  # no new work in a step that had to preempt
+            if self.swapped:
+                budget = self._swap_in(out, budget)  # swapped requests go first (17)
+            if not self.swapped:
+                budget = self._admit(out, budget)
+        if self.block_manager.host is not None:  # 17: prefix blocks to offload and to reload
+            out.offload, out.reload, reloaded = self.block_manager.take_transfers()
+            out.resumed += reloaded
         sched, rest = out.scheduled, out.scheduled[nd:]
         if any(s.num_tokens == 1 for s in rest):  # a 1-token prefill chunk runs as a decode
             out.scheduled = (
@@ -285,6 +376,9 @@ class Scheduler:
             self.block_manager.free(seq)
         elif seq.status is _WAITING:
             self.waiting.remove(seq)
+        elif seq.status is _SWAPPED:
+            self.swapped.remove(seq)
+            self.swap.forget(seq)
         else:
             raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.status.value})")
         seq.status = status
@@ -311,16 +405,22 @@ class Scheduler:
     def abort(self, request_id: str) -> list[Sequence]:
         """Drop every sequence of `request_id`, waiting or running, freeing its blocks at once;
         returns them."""
-        gone = [s for s in self.running if s.request_id == request_id] + [
-            s for s in self.waiting if s.request_id == request_id
+        gone = [
+            s
+            for q in (self.running, self.waiting, self.swapped)
+            for s in q
+            if s.request_id == request_id
         ]
         if not gone:
             return []
         self.running = [s for s in self.running if s.request_id != request_id]
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        self.swapped = [s for s in self.swapped if s.request_id != request_id]
         for s in gone:
             if s.status is _RUNNING:
                 self.block_manager.free(s)
+            elif s.status is _SWAPPED:
+                self.swap.forget(s)
             s.status = SequenceStatus.FINISHED_ABORTED
             self.admission.leave(s)
             if self._parked:

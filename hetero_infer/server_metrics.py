@@ -103,7 +103,9 @@ class ServerMetrics:
         yield C("prompt_tokens", "Prompt tokens admitted", s.get("prompt_tokens", 0))
         yield C("generation_tokens", "Tokens generated", s.get("generation_tokens", 0))
         yield C(
-            "num_preemptions", "Sequences preempted (recomputed later)", s.get("preemptions", 0)
+            "num_preemptions",
+            "Sequences preempted (recomputed or swapped, 17)",
+            s.get("preemptions", 0),
         )
         yield C(
             "num_aborted_requests",
@@ -158,8 +160,41 @@ class ServerMetrics:
             "Seconds spent filling and applying grammar masks",
             so.get("mask_seconds", 0.0),
         )
+        if "kv_offload" in s:  # 17_kv_offload: the host tier of the KV cache
+            yield from _kv_offload_metrics(s["kv_offload"], G, C)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def _kv_offload_metrics(kv: dict, G, C):
+    "The host tier's gauges and counters (17_kv_offload), from `engine.stats['kv_offload']`."
+    yield G("num_requests_swapped", "Sequences swapped out to host memory", kv["swapped"])
+    yield C("kv_swapped_out", "Sequences preempted by swapping their KV to host", kv["swapped_out"])
+    yield C("kv_swapped_in", "Swapped-out sequences resumed from host", kv["swapped_in"])
+    yield C(
+        "kv_recompute_fallbacks",
+        "Preemptions that asked for swap but recomputed (host pool full)",
+        kv["recompute_fallbacks"],
+    )
+    yield C("kv_prefix_hits_device", "Prefix blocks found on the device", kv["device_prefix_hits"])
+    yield C(
+        "kv_prefix_hits_host", "Prefix blocks reloaded from the host tier", kv["host_prefix_hits"]
+    )
+    yield C(
+        "kv_offloaded_blocks",
+        "Evicted prefix blocks copied to the host tier",
+        kv.get("host_offloaded", 0),
+    )
+    yield G(
+        "kv_host_prefix_blocks", "Blocks held by the host prefix tier", kv["host_prefix_blocks"]
+    )
+    yield C("kv_transfer_bytes", "Bytes copied between host and device", kv["transfer_bytes"])
+    yield C("kv_transfer_seconds", "Seconds spent copying between tiers", kv["transfer_seconds"])
+    yield C(
+        "kv_transfer_failures",
+        "Steps whose host copies failed (their requests recomputed)",
+        kv["transfer_failures"],
+    )

@@ -1,0 +1,315 @@
+"""The host tier of the KV cache (17_kv_offload): swap preemption and the offloaded prefix cache,
+through the engine on a tiny random Llama.
+
+Every scenario checks greedy tokens against a run that never preempts, and `kv_audit` (no block
+lost or leaked on the device or in either host pool) after every step."""
+
+import pytest
+import torch
+
+from hetero_infer.core import EngineConfig, SamplingParams, SequenceStatus
+from hetero_infer.engine import LLMEngine
+from hetero_infer.kv_offload import kv_audit
+from hetero_infer.testing import tiny_hf_checkpoint
+
+CPU = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128)
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers x (k, v) x bs x kv heads x head_dim x fp32
+GIB_PER_BLOCK = BLOCK_BYTES / 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_offload")
+    tiny_hf_checkpoint(
+        path, "llama", vocab_size=128, bos_token_id=None, eos_token_id=None, pad_token_id=None
+    )
+    return path
+
+
+def engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), **{**CPU, **kw}))
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(eng, reqs, max_steps=3000, abort_at=None, on_step=None):
+    """Step `eng` until done, adding requests as they come: `reqs` is a list of (rid, ids, params,
+    step, arrival_time), or a function (engine, step) -> such tuples to add now. Returns {rid:
+    [token ids of each completion]} of the finished ones; kv_audit must hold after every step."""
+    done, step = {}, 0
+    pending = [] if callable(reqs) else sorted(reqs, key=lambda r: r[3])
+    more = getattr(reqs, "more", lambda: False)  # a workload function still to add requests
+    while pending or eng.has_unfinished_requests() or more():
+        new = reqs(eng, step) if callable(reqs) else []
+        while pending and pending[0][3] <= step:
+            new.append(pending.pop(0))
+        for rid, ids, p, _, t in new:
+            eng.add_request(rid, ids, p, arrival_time=t)
+        if abort_at and step in abort_at:
+            eng.abort_request(abort_at[step])
+        for o in eng.step():
+            if o.finished and o.outputs[0].finish_reason != "abort":
+                done[o.request_id] = [c.token_ids for c in o.outputs]
+        assert kv_audit(eng.scheduler) == [], (step, kv_audit(eng.scheduler))
+        if on_step:
+            on_step(eng, step)
+        step += 1
+        assert step < max_steps
+    assert kv_audit(eng.scheduler) == [] and not eng.block_manager.seqs
+    return done
+
+
+def preempted_requests(eng) -> set:
+    "Wrap the scheduler's preemption to record every victim's request id."
+    seen, orig = set(), eng.scheduler._preempt
+
+    def spy(victim, out):
+        seen.add(victim.request_id)
+        return orig(victim, out)
+
+    eng.scheduler._preempt = spy
+    return seen
+
+
+VICTIMS = [(5, 1, 40), (11, 2, 24), (18, 1, 24), (26, 1, 24), (33, 1, 24)]  # (prompt, n, max)
+
+
+def workload():
+    """Five requests of several prompt lengths (one with n=2), one at a time; each is joined, once
+    it has 2 tokens, by a more urgent `driver` (earlier arrival_time) that needs the blocks: the
+    scheduler preempts the victim, and resumes it when the driver is done."""
+    ps, drv = prompts([v[0] for v in VICTIMS]), prompts([9], seed=1)[0]
+    state = {"i": 0, "phase": "victim"}
+
+    def arrive(eng, step):
+        i = state["i"]
+        if i == len(VICTIMS) or any(r.startswith(f"r{i - 1}") for r in eng.requests):
+            return []  # all added, or the last pair is not done yet
+        if state["phase"] == "victim":
+            state["phase"] = "driver"
+            p = SamplingParams(temperature=0, max_tokens=VICTIMS[i][2], n=VICTIMS[i][1])
+            return [(f"r{i}", ps[i], p, step, float(i))]
+        req = eng.requests.get(f"r{i}")
+        if req is None or max(s.num_output_tokens for s in req.seqs) < 2:
+            return []
+        state["i"], state["phase"] = i + 1, "victim"
+        p = SamplingParams(temperature=0, max_tokens=48)
+        return [(f"r{i}-driver", drv, p, step, float(i) - 0.5)]
+
+    arrive.more = lambda: state["i"] < len(VICTIMS)
+    return arrive
+
+
+SMALL = dict(num_blocks=16, max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=True)
+
+
+def test_swap_and_recompute_give_the_same_tokens_as_no_preemption(tiny_path):
+    ref = run(engine(tiny_path, num_blocks=256), workload())
+    results, stats = {}, {}
+    for mode in ("recompute", "swap"):
+        eng = engine(tiny_path, preemption_mode=mode, swap_space=256 * GIB_PER_BLOCK, **SMALL)
+        victims = preempted_requests(eng)
+        results[mode] = run(eng, workload())
+        stats[mode] = {**eng.stats, "prefill_tokens": eng.scheduler.stats.prefill_tokens}
+        assert victims == {f"r{i}" for i in range(len(VICTIMS))}, victims  # each, drivers never
+    assert results["recompute"] == ref
+    assert results["swap"] == ref
+    kv = stats["swap"]["kv_offload"]
+    assert kv["swapped_out"] >= 5 and kv["swapped_in"] == kv["swapped_out"]
+    assert kv["recompute_fallbacks"] == 0 and kv["transfer_failures"] == 0
+    assert kv["transfer_blocks_out"] > 0 and kv["swap_blocks_free"] == 256
+    assert "kv_offload" not in stats["recompute"]  # off: the stats are as before
+    # swap resumes without recomputing: fewer prefill tokens than recompute
+    assert stats["swap"]["prefill_tokens"] < stats["recompute"]["prefill_tokens"]
+
+
+def test_a_small_swap_space_falls_back_to_recompute(tiny_path):
+    ref = run(engine(tiny_path, num_blocks=256), workload())
+    eng = engine(tiny_path, preemption_mode="swap", swap_space=3 * GIB_PER_BLOCK, **SMALL)
+    assert run(eng, workload()) == ref
+    kv = eng.stats["kv_offload"]
+    assert kv["recompute_fallbacks"] > 0 and kv["swap_blocks_free"] == 3
+
+
+def conversations(n=10, system=24, turn=6):
+    "`n` conversations, each with its own system prompt of `system` tokens and a first question."
+    return [p + q for p, q in zip(prompts([system] * n, seed=2), prompts([turn] * n, seed=3))]
+
+
+def two_rounds(path, **kw):
+    """Round 1: ten conversations one after another; round 2: each goes on (its prompt, the answer,
+    a new question). Returns the round-2 tokens, the engine and its prefill tokens in round 2."""
+    eng = engine(path, num_blocks=14, max_num_seqs=1, max_num_batched_tokens=64, **kw)
+    p = SamplingParams(temperature=0, max_tokens=8)
+    first = conversations()
+    r1 = run(eng, [(f"a{i}", ids, p, 0, float(i)) for i, ids in enumerate(first)])
+    follow = prompts([5] * len(first), seed=4)
+    second = [ids + r1[f"a{i}"][0] + q for i, (ids, q) in enumerate(zip(first, follow))]
+    before = eng.scheduler.stats.prefill_tokens
+    r2 = run(eng, [(f"b{i}", ids, p, 0, float(i)) for i, ids in enumerate(second)])
+    return r2, eng, eng.scheduler.stats.prefill_tokens - before
+
+
+def test_a_host_prefix_tier_serves_the_second_round(tiny_path):
+    # the device pool (14 blocks of 4) holds one conversation (<= 13 blocks); the host tier ten
+    base, eng0, prefill0 = two_rounds(tiny_path)
+    tiered, eng1, prefill1 = two_rounds(tiny_path, kv_offloading_size=120 * GIB_PER_BLOCK)
+    assert tiered == base
+    kv = eng1.stats["kv_offload"]
+    assert kv["host_prefix_hits"] >= 10 * 6, kv  # >= 6 blocks (24 tokens) of each conversation
+    assert prefill1 < prefill0 / 2, (prefill1, prefill0)
+    assert eng0.stats["prefix_cache"]["cache_hits"] <= 10  # without it: at most one device hit
+    assert kv["transfer_failures"] == 0
+
+
+class FailOnce:
+    "A `copy_blocks` that raises on its n-th call, then copies."
+
+    def __init__(self, n, copy):
+        self.n, self.copy, self.calls = n, copy, 0
+
+    def __call__(self, *a):
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError("injected copy failure")
+        return self.copy(*a)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 5])
+def test_a_failed_copy_recomputes_and_never_serves_stale_kv(tiny_path, fail_at):
+    ref = run(engine(tiny_path, num_blocks=256), workload())
+    eng = engine(
+        tiny_path,
+        preemption_mode="swap",
+        swap_space=256 * GIB_PER_BLOCK,
+        kv_offloading_size=64 * GIB_PER_BLOCK,
+        **SMALL,
+    )
+    eng.kv_tier.copy = FailOnce(fail_at, eng.kv_tier.copy)
+    assert run(eng, workload()) == ref
+    assert eng.kv_tier.copy.calls >= fail_at
+    assert eng.stats["kv_offload"]["transfer_failures"] == 1
+
+
+def test_aborts_leave_no_block_behind_in_either_tier(tiny_path):
+    eng = engine(
+        tiny_path,
+        preemption_mode="swap",
+        swap_space=256 * GIB_PER_BLOCK,
+        kv_offloading_size=64 * GIB_PER_BLOCK,
+        **SMALL,
+    )
+    aborted = []
+
+    def abort(e, step):  # a request while it is swapped out, and a driver while it runs
+        if not aborted and e.scheduler.swapped:
+            aborted.append(e.scheduler.swapped[0].request_id)
+            e.abort_request(aborted[-1])
+        if "r3-driver" in e.requests and len(aborted) == 1:
+            aborted.append("r3-driver")
+            e.abort_request("r3-driver")
+
+    done = run(eng, workload(), on_step=abort)
+    assert len(aborted) == 2 and not set(aborted) & set(done)
+    st = eng.stats["kv_offload"]
+    assert st["swapped"] == 0 and st["swap_blocks_free"] == 256
+    assert not eng.kv_tier.prefix.pins
+    assert eng.block_manager.num_free_blocks() == 16
+
+
+def test_swapped_is_a_state_of_its_own():
+    assert not SequenceStatus.SWAPPED.finished and SequenceStatus.SWAPPED.finish_reason is None
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"swap_space": -1}, "swap_space"),
+        ({"kv_offloading_size": "4"}, "kv_offloading_size"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kw)
+
+
+def test_offloading_needs_prefix_caching(tiny_path):
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        engine(tiny_path, kv_offloading_size=0.001, enable_prefix_caching=False)
+
+
+def test_metrics_show_the_host_tier(tiny_path):
+    from types import SimpleNamespace
+    from hetero_infer.server_metrics import ServerMetrics
+
+    eng = engine(
+        tiny_path,
+        preemption_mode="swap",
+        swap_space=256 * GIB_PER_BLOCK,
+        kv_offloading_size=64 * GIB_PER_BLOCK,
+        **SMALL,
+    )
+    run(eng, workload())
+    text = ServerMetrics(SimpleNamespace(snapshot=eng.stats, listeners=[])).render().decode()
+    kv = eng.stats["kv_offload"]
+    assert f"hetero_infer:kv_swapped_out_total {float(kv['swapped_out'])}" in text
+    for name in (
+        "num_requests_swapped",
+        "kv_swapped_in_total",
+        "kv_recompute_fallbacks_total",
+        "kv_prefix_hits_device_total",
+        "kv_prefix_hits_host_total",
+        "kv_offloaded_blocks_total",
+        "kv_host_prefix_blocks",
+        "kv_transfer_bytes_total",
+        "kv_transfer_failures_total",
+    ):
+        assert f"hetero_infer:{name}" in text, name
+    plain = (
+        ServerMetrics(SimpleNamespace(snapshot=engine(tiny_path).stats, listeners=[]))
+        .render()
+        .decode()
+    )
+    assert "kv_swapped" not in plain  # off: /metrics as before
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--preemption-mode", "drop"], "--preemption-mode"),
+        (["--swap-space", "-1"], "--swap-space"),
+        (["--kv-offloading-size", "-2"], "--kv-offloading-size"),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_cli_refuses_bad_values_naming_the_flag(capsys, command, argv, flag):
+    from hetero_infer.cli import main
+
+    args = {"generate": ["generate", "x"], "serve": ["serve"], "bench": ["bench", "offline"]}[
+        command
+    ]
+    try:
+        code = main(args + argv)
+    except SystemExit as e:  # argparse's own refusals (choices)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and f"hetero-infer: error: {flag}" in err.replace("argument ", ""), err
+
+
+def test_cli_flags_reach_the_engine_config():
+    from hetero_infer.cli import build_parser, engine_config
+
+    argv = ["generate", "x", "--preemption-mode", "swap", "--swap-space", "2"]
+    args = build_parser().parse_args(argv + ["--kv-offloading-size", "0.5"])
+    cfg = engine_config(args)
+    assert (cfg.preemption_mode, cfg.swap_space, cfg.kv_offloading_size) == ("swap", 2.0, 0.5)
+    bench = build_parser().parse_args(["bench", "offline", "--preemption-mode", "swap"])
+    assert (bench.preemption_mode, bench.swap_space, bench.kv_offloading_size) == (
+        "swap",
+        None,
+        None,
+    )
