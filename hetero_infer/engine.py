@@ -65,7 +65,6 @@ VLLM_HARMLESS_KWARGS = {
     "enforce_eager": "always true here: no CUDA graphs are captured",
     "disable_log_stats": "no periodic stats log here (LLMEngine.stats, /metrics)",
     "trust_remote_code": "no checkpoint code ever runs: only SUPPORTED_ARCHITECTURES load",
-    "swap_space": "preempted sequences are recomputed, never swapped to CPU memory",
     "max_seq_len_to_capture": "no CUDA graphs are captured",
     "disable_custom_all_reduce": "tensor parallelism uses torch.distributed's all-reduce",
     "disable_async_output_proc": "outputs are built in the step, synchronously",
@@ -117,13 +116,14 @@ class LLM:
     """vLLM-shaped offline inference: `LLM(model).generate(prompts, SamplingParams(...))`.
 
     `LLM(model, **config)` takes `EngineConfig`'s fields, and these vLLM arguments as well:
-    `enforce_eager`, `disable_log_stats`, `trust_remote_code`, `swap_space`,
+    `enforce_eager`, `disable_log_stats`, `trust_remote_code`,
     `max_seq_len_to_capture`, `disable_custom_all_reduce`, `disable_async_output_proc`
     (accepted and dropped: see `VLLM_HARMLESS_KWARGS` for what each means here), and
     `tokenizer_mode="auto"`, `skip_tokenizer_init=False`, `revision=None`,
     `tokenizer_revision=None`, `download_dir=None`, `load_format="auto"`,
     `cpu_offload_gb=0` (this engine's behaviour; another value is a `ValueError`);
-    `quantization` and `kv_cache_dtype` are `EngineConfig` fields (15_quantization).
+    `quantization` and `kv_cache_dtype` are `EngineConfig` fields (15_quantization), and so
+    are `preemption_mode`, `swap_space` and `kv_offloading_size` (17_kv_offload).
     Any other argument is a `ValueError` naming it.
     """
 

@@ -232,16 +232,22 @@ class Scheduler:
                     del self._parked[s.seq_id]
                 if s.seq_id in self._parked:
                     continue  # computes once the leader has computed their common blocks
-                left = len(s.token_ids) - s.num_computed_tokens
-                n = min(left, budget)
-                if n > 0 and (n == left or cfg.enable_chunked_prefill):
-                    slots, copies = bm.append_slots(s, n)
-                    out.scheduled.append(ScheduledSeq(s, n, slots))
-                    out.block_copies += copies
-                    self._step_reqs.add(s.request_id)
-                    budget -= n
+                budget = self._start(s, out, budget)
             self._insert(self.running, group)
             self.stats.admitted += len(group)
+        return budget
+
+    def _start(self, s: Sequence, out: SchedulerOutput, budget: int) -> int:
+        """Schedule the first chunk of `s`, just admitted or resumed, if the budget allows (all of
+        the rest of its tokens, or with chunked prefill as many as fit); the budget left."""
+        left = len(s.token_ids) - s.num_computed_tokens
+        n = min(left, budget)
+        if n > 0 and (n == left or self.config.enable_chunked_prefill):
+            slots, copies = self.block_manager.append_slots(s, n)
+            out.scheduled.append(ScheduledSeq(s, n, slots))
+            out.block_copies += copies
+            self._step_reqs.add(s.request_id)
+            budget -= n
         return budget
 
     @staticmethod
@@ -277,14 +283,7 @@ class Scheduler:
             self.stats.swapped_in += len(group)
             for s in group:
                 s.status = _RUNNING
-                left = len(s.token_ids) - s.num_computed_tokens
-                n = min(left, budget)
-                if n > 0 and (n == left or cfg.enable_chunked_prefill):
-                    slots, copies = bm.append_slots(s, n)
-                    out.scheduled.append(ScheduledSeq(s, n, slots))
-                    out.block_copies += copies
-                    self._step_reqs.add(s.request_id)
-                    budget -= n
+                budget = self._start(s, out, budget)
             self._insert(self.running, group)
         return budget
 

@@ -313,3 +313,30 @@ def test_cli_flags_reach_the_engine_config():
         None,
         None,
     )
+
+
+def test_swap_with_speculative_decoding_keeps_the_tokens(tiny_path):
+    import hetero_infer  # noqa: F401 (registers the speculators)
+
+    ref = run(engine(tiny_path, num_blocks=256), workload())
+    eng = engine(
+        tiny_path,
+        preemption_mode="swap",
+        swap_space=256 * GIB_PER_BLOCK,
+        kv_offloading_size=64 * GIB_PER_BLOCK,
+        speculative_method="ngram",
+        **SMALL,
+    )
+    assert run(eng, workload()) == ref
+    assert eng.stats["kv_offload"]["swapped_out"] > 0
+    assert eng.stats["speculative"]["num_accepted_tokens"] > 0
+
+
+def test_llm_takes_vllm_names(tiny_path):
+    from hetero_infer.engine import LLM
+
+    llm = LLM(str(tiny_path), **CPU, preemption_mode="swap", swap_space=0.001)
+    assert llm.engine.kv_tier.swap.num_blocks == int(0.001 * 2**30 // BLOCK_BYTES)
+    assert llm.engine.kv_tier.prefix is None and llm.engine.block_manager.host is None
+    plain = LLM(str(tiny_path), **CPU, swap_space=4)  # recompute: no tier is built
+    assert plain.engine.kv_tier is None and plain.engine.scheduler.swap is None
