@@ -147,7 +147,7 @@ def test_sort_and_align():
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
-@pytest.mark.parametrize("method", ["loop", "grouped", "triton"])
+@pytest.mark.parametrize("method", ["loop", "grouped", "grouped_mm", "triton"])
 def test_layer_equals_transformers(family, method, saved):
     model, tensors = saved[family]
     cfg = MoEConfig.from_hf(model.config)
@@ -251,7 +251,7 @@ def test_config_and_layer_rules():
 
 
 @pytest.mark.parametrize("family,ep", [("qwen3_moe", 2), ("mixtral", 3), ("qwen2_moe", 4)])
-@pytest.mark.parametrize("method", ["loop", "grouped", "triton"])
+@pytest.mark.parametrize("method", ["loop", "grouped", "grouped_mm", "triton"])
 def test_expert_parallel_partial_sums(family, ep, method, saved):
     "Each rank runs only its experts' pairs; the ranks' outputs sum to the layer (shared once)."
     model, tensors = saved[family]
@@ -283,3 +283,16 @@ def test_held_slice_skips_other_experts():
     assert sorted(s[s < ids.numel()].tolist()) == sorted(
         torch.where(ids.reshape(-1) >= 5)[0].tolist()
     )
+
+
+def test_method_choice_and_the_sm75_refusal():
+    from hetero_infer.moe import moe_method
+
+    assert moe_method("auto", "cpu") == "grouped"  # one token: the loop of matmuls
+    assert moe_method("auto", "cpu", num_tokens=16) == "grouped_mm"
+    assert moe_method("auto", "cuda", capability=(8, 0)) == "triton"
+    assert moe_method("auto", "cuda", capability=(7, 5)) == "grouped"
+    with pytest.raises(ValueError, match=r"compute capability 8.0 .* this GPU has 7.5"):
+        moe_method("triton", "cuda", capability=(7, 5))
+    with pytest.raises(ValueError, match="method must be one of"):
+        MoEBlock(MoEConfig(4, 2, 8, 4), method="fast")
