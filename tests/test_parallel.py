@@ -79,12 +79,12 @@ def test_tp2_with_chunked_prefill_prefix_caching_and_preemption(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family, ep",
-    [("qwen3_moe", False), ("mixtral", True), ("qwen2_moe", False)],  # EP + Qwen2-MoE: below
+    "family, ep, fused",  # EP + Qwen2-MoE: below
+    [("qwen3_moe", False, True), ("mixtral", True, True), ("qwen2_moe", False, False)],
 )
-def test_moe_tp2_and_expert_parallel_equal_transformers(family, ep, tmp_path):
+def test_moe_tp2_and_expert_parallel_equal_transformers(family, ep, fused, tmp_path):
     "TP over experts (each rank half of every expert) and EP (each rank half of the experts)."
-    hf = tiny_hf_checkpoint(tmp_path, family, bos_token_id=None, eos_token_id=None)
+    hf = tiny_hf_checkpoint(tmp_path, family, fused=fused, bos_token_id=None, eos_token_id=None)
     ps = prompts((3, 17, 40, 9))
     got = _run(tmp_path, ps, tensor_parallel_size=2, enable_expert_parallel=ep)
     assert got == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
