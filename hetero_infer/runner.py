@@ -132,6 +132,11 @@ class ModelRunner:
         mode = getattr(self.config, "quantization", None)
         if not mode:
             return None
+        if self.model.config.moe is not None:  # it would quantize the routers, not the experts
+            raise ValueError(
+                f"quantization={mode!r} is not supported for mixture-of-experts models yet "
+                f"({self.model.config.architecture}: the experts are not linear layers)"
+            )
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 0):
             cap = torch.cuda.get_device_capability(self.device)
             raise ValueError(

@@ -143,3 +143,10 @@ def test_expert_parallel_is_refused_for_a_dense_model(tmp_path):
     for tp in (1, 2):
         with pytest.raises(ValueError, match="no mixture-of-experts layers"):
             LLM(str(tmp_path), **CPU, tensor_parallel_size=tp, enable_expert_parallel=True)
+
+
+def test_quantization_is_refused_for_moe_models(tmp_path):
+    "quantize_model would turn the routers to int8 and leave the experts in float: not yet."
+    tiny_hf_checkpoint(tmp_path, "qwen3_moe")
+    with pytest.raises(ValueError, match="quantization='int8' is not supported for mixture-of"):
+        LLM(str(tmp_path), **CPU, quantization="int8")
