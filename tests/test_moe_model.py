@@ -150,3 +150,18 @@ def test_quantization_is_refused_for_moe_models(tmp_path):
     tiny_hf_checkpoint(tmp_path, "qwen3_moe")
     with pytest.raises(ValueError, match="quantization='int8' is not supported for mixture-of"):
         LLM(str(tmp_path), **CPU, quantization="int8")
+
+
+def test_the_profile_counts_the_experts_working_memory(tmp_path):
+    tiny_hf_checkpoint(tmp_path, "qwen3_moe")
+    llm = LLM(str(tmp_path), **CPU, max_num_batched_tokens=64)
+    try:
+        runner = llm.engine.runner
+        with_moe = runner._activation_bytes()
+        moe, runner.model.config.moe = runner.model.config.moe, None
+        dense = runner._activation_bytes()
+        runner.model.config.moe = moe
+    finally:
+        llm.close()
+    # T * k * (3 I + 2 H) float32 elements: 64 * 2 * (3 * 32 + 2 * 64) * 4 bytes
+    assert with_moe - dense == 64 * 2 * (3 * 32 + 2 * 64) * 4
