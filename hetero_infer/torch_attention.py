@@ -328,43 +328,52 @@ template <typename T, int64_t D>
 static void decode(const T* q, const T* kc, const T* vc, const int* bt, const int* lens, T* out,
                    int64_t S, int64_t Hq, int64_t Hkv, int64_t bs, int64_t M, float scale,
                    int64_t window) {
-  const int64_t g = Hq / Hkv;
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(g * D), acc(g * D), sum(g), sc;
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t s = w / Hkv, h = w % Hkv, L = lens[s];
+  // one sequence per work item, all its heads in one pass over its blocks: each block (bs
+  // positions x Hkv heads x D, contiguous) is visited once, and the next one is prefetched
+  const int64_t g = Hq / Hkv, row = Hkv * D;
+  at::parallel_for(0, S, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(Hq * D), acc(Hq * D), sum(Hq), sc;
+    for (int64_t s = lo; s < hi; ++s) {
+      const int64_t L = lens[s];
       const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       const int64_t n = L - start;
-      sc.resize(g * n);
-      for (int64_t j = 0; j < g * D; ++j) qf[j] = float(q[(s * Hq + h * g) * D + j]) * scale;
+      const int* tab = bt + s * M;
+      sc.resize(Hq * n);
+      for (int64_t j = 0; j < Hq * D; ++j) qf[j] = float(q[s * Hq * D + j]) * scale;
       for (int64_t p = start; p < L; ++p) {  // scores: q . k of every key, read in place
-        const T* k = kc + ((int64_t(bt[s * M + p / bs]) * bs + p % bs) * Hkv + h) * D;
-        for (int64_t j = 0; j < g; ++j) {
-          float a = 0.f;
-          for (int64_t d = 0; d < D; ++d) a += qf[j * D + d] * float(k[d]);
-          sc[j * n + p - start] = a;
-        }
+        if (p % bs == 0 && p + bs < L) __builtin_prefetch(kc + int64_t(tab[p / bs + 1]) * bs * row);
+        const T* k = kc + (int64_t(tab[p / bs]) * bs + p % bs) * row;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t j = 0; j < g; ++j) {
+            float a = 0.f;
+            const float* qj = qf.data() + (h * g + j) * D;
+            for (int64_t d = 0; d < D; ++d) a += qj[d] * float(k[h * D + d]);
+            sc[(h * g + j) * n + p - start] = a;
+          }
       }
-      for (int64_t j = 0; j < g; ++j) {  // softmax numerators, one vectorized pass per query
-        float* x = sc.data() + j * n;
+      for (int64_t i = 0; i < Hq; ++i) {  // softmax numerators, one vectorized pass per head
+        float* x = sc.data() + i * n;
         float m = x[0];
-        for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
+        for (int64_t t = 1; t < n; ++t) m = std::max(m, x[t]);
         float z = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          x[i] = std::exp(x[i] - m);
-          z += x[i];
+        for (int64_t t = 0; t < n; ++t) {
+          x[t] = std::exp(x[t] - m);
+          z += x[t];
         }
-        sum[j] = z;
+        sum[i] = z;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = start; p < L; ++p) {  // weights times values
-        const T* v = vc + ((int64_t(bt[s * M + p / bs]) * bs + p % bs) * Hkv + h) * D;
-        for (int64_t j = 0; j < g; ++j) {
-          const float e = sc[j * n + p - start];
-          for (int64_t d = 0; d < D; ++d) acc[j * D + d] += e * float(v[d]);
-        }
+        if (p % bs == 0 && p + bs < L) __builtin_prefetch(vc + int64_t(tab[p / bs + 1]) * bs * row);
+        const T* v = vc + (int64_t(tab[p / bs]) * bs + p % bs) * row;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t j = 0; j < g; ++j) {
+            const float e = sc[(h * g + j) * n + p - start];
+            float* a = acc.data() + (h * g + j) * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += e * float(v[h * D + d]);
+          }
       }
-      for (int64_t j = 0; j < g * D; ++j) out[(s * Hq + h * g) * D + j] = T(acc[j] / sum[j / D]);
+      for (int64_t j = 0; j < Hq * D; ++j) out[s * Hq * D + j] = T(acc[j] / sum[j / D]);
     }
   });
 }
