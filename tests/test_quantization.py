@@ -437,6 +437,7 @@ def test_llm_runs_a_compressed_checkpoint(ct_source):
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quant_method 'bitsandbytes'"),
         ("pack", "format 'pack-quantized'"),
         ("group", "weight strategy 'group'"),
+        ("static", "static activation scales"),  # the FP8 / static W8A8 presets
     ],
 )
 def test_unloadable_quantization_config_is_refused_by_name(ct_source, tmp_path, qc, why):
@@ -454,6 +455,9 @@ def test_unloadable_quantization_config_is_refused_by_name(ct_source, tmp_path, 
     elif qc == "group":
         w = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
         w.update(strategy="group", group_size=32)
+    elif qc == "static":
+        a = cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+        a.update(dynamic=False, strategy="tensor")
     else:
         cfg["quantization_config"] = qc
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
