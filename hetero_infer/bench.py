@@ -161,6 +161,7 @@ def _cmd_offline(args) -> int:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
         repeats=args.repeats,
         warmup=args.warmup,
         peers=peers,

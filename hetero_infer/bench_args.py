@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from .bench_peers import PEERS
+from .core import ATTENTION_BACKENDS
 from .testing import DUMMY_CONFIGS
 
 # %% auto #0
@@ -97,7 +98,8 @@ def _kv_offload_args(g):
         "--preemption-mode",
         default=None,
         choices=PREEMPTION_MODES,
-        help="what ours does with a preempted request's KV (default: the engine's, recompute)",
+        help="what ours does with a preempted request's KV, recompute or swap "
+        "(default: the engine's, recompute)",
     )
     g.add_argument(
         "--swap-space",
@@ -128,8 +130,8 @@ def _quant_args(g):
         "--kv-cache-dtype",
         default=None,
         choices=KV_CACHE_DTYPES,
-        help="ours stores its KV cache in this dtype (fp8: float8 e4m3); the offline run also "
-        "times ours with the model's dtype (default: the model's)",
+        help="ours stores its KV cache in this dtype (auto: the model's; fp8, fp8_e4m3: "
+        "float8 e4m3); the offline run also times ours with the model's dtype (default: auto)",
     )
 
 
@@ -254,6 +256,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="torch intra-op threads (default: torch's, which follows OMP_NUM_THREADS)",
+    )
+    o.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="our engine's attention (default: auto = triton on CUDA, torch on CPU; cpp: the "
+        "compiled C++ decode kernel of 03, CPU)",
     )
     o.add_argument(
         "--tensor-parallel-size",

@@ -27,6 +27,7 @@ __all__ = [
     "make_requests",
     "copy_bandwidth",
     "matmul_flops",
+    "step_weights",
     "weight_bytes",
     "kv_bytes_per_token",
     "decode_floor",
@@ -182,14 +183,17 @@ def matmul_flops(device="cpu", n: int = 1024, dtype=torch.float32, repeats: int 
     return 2 * n**3 / t.median
 
 
+def step_weights(model) -> list:
+    "Parameters a step reads in full: all but the embedding table, unless it is the lm_head."
+    # (a tied lm_head the runner packed for oneDNN is a copy of its own: the table is not read)
+    emb = getattr(model.embed_tokens, "weight", None)
+    tied = getattr(model.lm_head, "weight", None) is emb
+    return [p for p in model.parameters() if p is not emb or tied]
+
+
 def weight_bytes(model) -> int:
     "Bytes of weights a step reads: all but the embedding table (only the batch's rows), if untied."
-    c, total = model.config, 0
-    for n, p in model.named_parameters():
-        if n == "embed_tokens.weight" and not c.tie_word_embeddings:
-            continue
-        total += p.numel() * p.element_size()
-    return total
+    return sum(p.numel() * p.element_size() for p in step_weights(model))
 
 
 def kv_bytes_per_token(model) -> int:
@@ -206,11 +210,7 @@ def decode_floor(model, batch: int, context: int, bandwidth: float) -> float:
 def decode_flops(model, batch: int, context: int) -> float:
     "FLOPs of one decode step: 2 x matmul parameters per sequence, plus attention over its context."
     c = model.config
-    mm = sum(
-        p.numel()
-        for n, p in model.named_parameters()
-        if p.dim() == 2 and n != "embed_tokens.weight"
-    )
+    mm = sum(p.numel() for p in step_weights(model) if p.dim() == 2)
     return batch * (2 * mm + 2 * 2 * c.num_layers * c.num_heads * c.head_dim * context)
 
 
@@ -224,11 +224,7 @@ def roofline_floor(model, batch: int, context: int, bandwidth: float, flops: flo
 def prefill_flops(model, tokens: int) -> float:
     "FLOPs of prefilling `tokens` prompt tokens: 2 x matmul parameters x tokens, plus attention."
     c = model.config
-    mm = sum(
-        p.numel()
-        for n, p in model.named_parameters()
-        if p.dim() == 2 and n != "embed_tokens.weight"
-    )
+    mm = sum(p.numel() for p in step_weights(model) if p.dim() == 2)
     attn = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
     return 2 * mm * tokens + attn
 

@@ -228,6 +228,7 @@ def offline_bench(
     vllm_python: str
     | None = None,  # an interpreter with vLLM (else vLLM in-process, if it imports)
     log=print,
+    attention_backend: str = "auto",  # ours only (EngineConfig.attention_backend)
 ) -> dict:
     "Ours against transformers (static batches, continuous batching) and vLLM, timed in turns."
     from hetero_infer.engine import LLM
@@ -244,6 +245,7 @@ def offline_bench(
         num_blocks=num_blocks,
         enable_prefix_caching=enable_prefix_caching,
         tensor_parallel_size=tensor_parallel_size,
+        attention_backend=attention_backend,
     )
     llm = LLM(str(model_dir), **common, **(speculative or {}))
     cfg = llm.engine.config
