@@ -505,3 +505,24 @@ def test_vllm_peer_real_run_through_the_command(tmp_path, capsys):
         res["results"][0]["output_tok_s"] / v["output_tok_s"]
     )
     assert "vLLM" in capsys.readouterr().out
+
+
+def test_offline_threads_survive_the_runners_load_based_choice(tmp_path, monkeypatch):
+    """`--threads N` is the user's choice even when N is torch's default count: on a busy machine
+    the runner's load-based choice (05's set_cpu_threads) would otherwise cut ours to fewer threads,
+    and vLLM's worker, which gets ours' count, with it. (It can fail only where torch has 2+.)"""
+    from hetero_infer import loading
+
+    n, before = loading._TORCH_DEFAULT_THREADS, torch.get_num_threads()
+    monkeypatch.setattr(loading, "_threads_decided", False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))  # every core taken
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    out = tmp_path / "r.json"
+    argv = ["offline", "--num-requests", "2", "--input-len", "2,4", "--output-len", "1,2"]
+    argv += ["--peers", "", "--repeats", "1", "--threads", str(n), "--output", str(out)]
+    try:
+        assert bench_command(parser().parse_args(argv)) == 0
+        assert json.loads(out.read_text())["machine"]["torch_threads"] == n
+    finally:
+        torch.set_num_threads(before)
