@@ -4,7 +4,10 @@
 
 # %% ../nbs/15_quantization.ipynb #5ef60786
 from __future__ import annotations
+import functools
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 import torch
 import torch.nn as nn
 
@@ -22,6 +25,10 @@ __all__ = [
     "quantize_fp8",
     "dequantize_fp8",
     "quantize_activations",
+    "fbgemm_available",
+    "fbgemm_pack",
+    "fbgemm_unpack",
+    "fbgemm_int8_matmul",
     "int8_weight_matmul",
     "w8a8_matmul",
     "check_quantization",
@@ -132,6 +139,48 @@ def _int_mm_two_digit(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 INT8PACK_MAX_ROWS = 2  # up to this many rows `_weight_int8pack_mm` wins on a CPU (measured in 15)
 
 
+@functools.cache
+def fbgemm_available() -> bool:
+    "Whether fbgemm's int8 GEMM runs here exactly: an x86 build on a CPU with AVX512-VNNI."
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:  # without VNNI fbgemm sums u8 x s8 pairs in int16, which saturates at 255 * 127 * 2
+        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def fbgemm_pack(qweight: torch.Tensor, scale: torch.Tensor):
+    "`qweight` (N, K) int8 with its per-row `scale` (N,) in fbgemm's packed layout (a new copy)."
+    zero = torch.zeros(qweight.shape[0], dtype=torch.int64)
+    with warnings.catch_warnings():  # torch 2.13 marks quantized-tensor creation deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero, 0)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def fbgemm_unpack(packed) -> torch.Tensor:
+    "The (N, K) int8 weight back out of `fbgemm_pack`'s layout."
+    return torch.ops.quantized.linear_unpack(packed)[0].int_repr()
+
+
+def fbgemm_int8_matmul(x: torch.Tensor, packed) -> torch.Tensor:  # (M, K) -> (M, N) in x.dtype
+    "Weight-only `x @ (Q * s).T`: the activations' two int8 digits through fbgemm's u8 x s8 GEMM."
+    xf = x.float()
+    M, K = xf.shape
+    sx = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # (M, 1)
+    u = xf / sx
+    q1 = torch.round(u)
+    q2 = torch.round((u - q1) * 254)  # the remainder, in [-127, 127]
+    pin = xf.new_zeros(1, K)  # a row spanning [-127, 128]: fbgemm's dynamic quantization then
+    pin[0, 0], pin[0, 1] = (
+        -127.0,
+        128.0,
+    )  # picks scale 1, zero point 127, and the digits pass exactly
+    y = torch.ops.quantized.linear_dynamic(torch.cat([q1, q2, pin]), packed, False)  # (2M+1, N)
+    return ((y[:M] + y[M : 2 * M] / 254) * sx).to(x.dtype)
+
+
 def int8_weight_matmul(
     x: torch.Tensor,  # (M, K) activations
     qweight: torch.Tensor,  # (N, K) int8, per-output-channel
@@ -195,6 +244,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
         self.rel_error = None  # w8a8: error of the first call against weight-only
         self.fell_back = False  # w8a8: True once that error passed max_rel_error
+        self.packed = None  # CPU int8: fbgemm's packed copy of qweight, made on the first call
+        self.shared = False  # True when qweight is also an embedding's table (then it is kept)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, mode: str = "int8", max_rel_error: float = 0.05):
@@ -226,8 +277,8 @@ class QuantizedLinear(nn.Module):
 
     def check(self, x: torch.Tensor) -> float:
         "W8A8's first-call check on activations `x` (M, K): relative error against weight-only."
-        ref = int8_weight_matmul(x, self.qweight, self.scale).float()
-        got = w8a8_matmul(x, self.qweight, self.scale).float()
+        ref = int8_weight_matmul(x, self.int8_weight(), self.scale).float()
+        got = w8a8_matmul(x, self.int8_weight(), self.scale).float()
         self.rel_error = ((got - ref).norm() / ref.norm().clamp(min=1e-12)).item()
         self.fell_back = self.rel_error > self.max_rel_error
         return self.rel_error
@@ -238,11 +289,32 @@ class QuantizedLinear(nn.Module):
             self.check(x2)
         if self.mode == "w8a8" and not self.fell_back:
             y = w8a8_matmul(x2, self.qweight, self.scale)
+        elif self.mode == "int8" and self.pack():  # CPU with VNNI: fbgemm, any rows
+            y = fbgemm_int8_matmul(x2, self.packed).to(x.dtype)
         else:
-            y = int8_weight_matmul(x2, self.qweight, self.scale)
+            y = int8_weight_matmul(x2, self.int8_weight(), self.scale)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def pack(self) -> bool:
+        "CPU int8: move the weight into fbgemm's layout once (plain copy dropped unless shared)."
+        if self.packed is None:
+            if self.qweight.is_cuda or not fbgemm_available():
+                return False
+            self.packed = fbgemm_pack(self.qweight, self.scale)
+            if not self.shared:  # one copy in memory: `int8_weight` unpacks on demand
+                self.qweight = None
+        return True
+
+    def int8_weight(self) -> torch.Tensor:
+        "The (N, K) int8 weight: the buffer, or unpacked from fbgemm's layout once packed."
+        return self.qweight if self.qweight is not None else fbgemm_unpack(self.packed)
+
+    @property
+    def packed_bytes(self) -> int:
+        "Bytes of the packed copy (int8 weights + one int32 column offset per output channel)."
+        return 0 if self.packed is None else self.out_features * (self.in_features + 4)
 
     def extra_repr(self) -> str:
         fb = f", fell_back (error {self.rel_error:.1%})" if self.fell_back else ""
@@ -274,9 +346,11 @@ class QuantizedEmbedding(nn.Module):
 
     def tied_lm_head(self, mode: str = "int8", max_rel_error: float = 0.05) -> QuantizedLinear:
         "The lm_head that shares this table: its rows are the logits' output channels."
-        return QuantizedLinear.from_quantized(
+        head = QuantizedLinear.from_quantized(
             self.qweight, self.scale, None, mode, self.out_dtype, max_rel_error
         )
+        head.shared = True  # packing it for fbgemm keeps the table: the lookup needs its rows
+        return head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (...) int64 -> (..., dim)
         rows = self.qweight[ids].float()  # only the looked-up rows are dequantized
@@ -289,7 +363,8 @@ class QuantizedEmbedding(nn.Module):
 def module_bytes(model: nn.Module) -> int:
     "Bytes of a model's parameters and buffers (int8 weights and their scales included)."
     tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    packed = sum(getattr(m, "packed_bytes", 0) for m in model.modules())  # fbgemm's copies
+    return sum(t.numel() * t.element_size() for t in tensors) + packed
 
 
 # %% ../nbs/15_quantization.ipynb #15feac7e

@@ -16,6 +16,7 @@ from hetero_infer.quantization import (
     check_quantization,
     dequantize_fp8,
     dequantize_int8,
+    fbgemm_available,
     int8_weight_matmul,
     kv_blocks_at_equal_memory,
     module_bytes,
@@ -121,6 +122,37 @@ def test_triton_int8_matmul_interpreter(M, K, N, dtype):
     assert _rel(y.cpu(), _ref(x.cpu(), q, s)) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+def test_fbgemm_path_is_exact_and_keeps_one_copy():
+    """CPU int8 with VNNI: fbgemm's packed GEMM on two digits equals the reference,
+    even where int16 pair sums would saturate; one copy of the weight stays in memory."""
+    torch.manual_seed(0)
+    ql = QuantizedLinear.from_float(nn.Linear(256, 40, bias=False), "int8")
+    q, s = ql.qweight.clone(), ql.scale.clone()
+    q[0], q[1] = 127, -127  # u8 254 x s8 127, twice: 64516 > 32767 if summed in int16
+    ql.qweight.copy_(q)
+    x = torch.randn(16, 256)
+    x[0], x[1] = 3.0, -3.0  # every digit at +-127
+    assert _rel(ql(x), _ref(x, q, s[:, None])) < 1e-3
+    assert (ql(x[:1]) - _ref(x[:1], q, s[:, None])).abs().max() < 1e-3  # the saturating row
+    if fbgemm_available():
+        assert ql.qweight is None and ql.packed is not None
+        assert torch.equal(ql.int8_weight(), q)
+        assert module_bytes(ql) == 40 * (256 + 4) + 40 * 4  # packed copy + its offsets + scales
+    else:
+        assert ql.packed is None and ql.qweight is not None
+    x2 = torch.randn(300, 256)  # prefill-sized: the same path
+    assert _rel(ql(x2), _ref(x2, q, s[:, None])) < 1e-3
+    emb = nn.Embedding(50, 64)  # a tied lm_head packs too, but the lookup keeps its table
+    model = nn.Module()
+    model.embed_tokens, model.lm_head = emb, nn.Linear(64, 50, bias=False)
+    model.lm_head.weight = emb.weight
+    quantize_model(model, "int8")
+    h = torch.randn(1, 64)
+    ref = _ref(h, model.embed_tokens.qweight, model.embed_tokens.scale[:, None])
+    assert _rel(model.lm_head(h), ref) < 1e-3
+    assert model.lm_head.qweight is model.embed_tokens.qweight
+
+
 @pytest.mark.parametrize("mode", QUANTIZATION_MODES)
 def test_quantized_linear_matches_float(mode):
     torch.manual_seed(0)
@@ -129,7 +161,7 @@ def test_quantized_linear_matches_float(mode):
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         assert _rel(ql(x), lin(x)) < 0.02
-    assert ql.qweight.dtype == torch.int8 and ql.scale.shape == (48,)
+    assert ql.int8_weight().dtype == torch.int8 and ql.scale.shape == (48,)
     assert ql.rel_error is None if mode == "int8" else ql.rel_error < 0.02
 
 
