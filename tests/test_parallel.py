@@ -80,7 +80,13 @@ def test_tp2_with_chunked_prefill_prefix_caching_and_preemption(tmp_path):
 
 @pytest.mark.parametrize(
     "family, ep, fused",  # EP + Qwen2-MoE: below
-    [("qwen3_moe", False, True), ("mixtral", True, True), ("qwen2_moe", False, False)],
+    [
+        ("qwen3_moe", False, True),
+        ("qwen3_moe", True, False),
+        ("mixtral", False, False),
+        ("mixtral", True, True),
+        ("qwen2_moe", False, False),
+    ],
 )
 def test_moe_tp2_and_expert_parallel_equal_transformers(family, ep, fused, tmp_path):
     "TP over experts (each rank half of every expert) and EP (each rank half of the experts)."
