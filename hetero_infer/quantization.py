@@ -29,6 +29,9 @@ __all__ = [
     "fbgemm_pack",
     "fbgemm_unpack",
     "fbgemm_int8_matmul",
+    "onednn_pack",
+    "onednn_unpack",
+    "onednn_w8a8_matmul",
     "int8_weight_matmul",
     "w8a8_matmul",
     "check_quantization",
@@ -181,6 +184,29 @@ def fbgemm_int8_matmul(x: torch.Tensor, packed) -> torch.Tensor:  # (M, K) -> (M
     return ((y[:M] + y[M : 2 * M] / 254) * sx).to(x.dtype)
 
 
+def onednn_pack(qweight: torch.Tensor, scale: torch.Tensor) -> tuple:
+    "`qweight` (N, K) int8 in oneDNN's packed layout for `qlinear` (a new copy), with its scales."
+    N, K = qweight.shape
+    zero = torch.zeros(N, dtype=torch.int64)
+    return torch.ops.onednn.qlinear_prepack(qweight, [1, K]), scale.float().contiguous(), zero
+
+
+def onednn_unpack(packed: tuple) -> torch.Tensor:
+    "The (N, K) int8 weight back out of `onednn_pack`'s layout."
+    return packed[0].to_dense().t().contiguous()
+
+
+def onednn_w8a8_matmul(x: torch.Tensor, packed: tuple) -> torch.Tensor:  # (M, K) -> (M, N)
+    "W8A8 `x @ (Q * s).T`: per-token int8 activations through oneDNN's packed u8 x s8 GEMM."
+    w, scale, zero = packed
+    xq, sx = quantize_activations(x)
+    xu = (xq.to(torch.int16) + 128).to(torch.uint8)  # oneDNN's input: u8 with a zero point
+    y = torch.ops.onednn.qlinear_pointwise(
+        xu, 1.0, 128, w, scale, zero, None, 1.0, 0, torch.float32, "none", [], ""
+    )  # (M, N) float32, the weight scales applied, the token scales not yet
+    return (y * sx).to(x.dtype)
+
+
 def int8_weight_matmul(
     x: torch.Tensor,  # (M, K) activations
     qweight: torch.Tensor,  # (N, K) int8, per-output-channel
@@ -287,7 +313,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.mode == "w8a8" and self.rel_error is None and x2.abs().amax() > 0:
             self.check(x2)
-        if self.mode == "w8a8" and not self.fell_back:
+        if self.mode == "w8a8" and not self.fell_back and self.pack():  # CPU with VNNI: oneDNN
+            y = onednn_w8a8_matmul(x2, self.packed)
+        elif self.mode == "w8a8" and not self.fell_back:
             y = w8a8_matmul(x2, self.qweight, self.scale)
         elif self.mode == "int8" and self.pack():  # CPU with VNNI: fbgemm, any rows
             y = fbgemm_int8_matmul(x2, self.packed).to(x.dtype)
@@ -298,18 +326,23 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def pack(self) -> bool:
-        "CPU int8: move the weight into fbgemm's layout once (plain copy dropped unless shared)."
+        "CPU with VNNI: the weight into fbgemm's layout (int8) or oneDNN's (w8a8), once."
         if self.packed is None:
             if self.qweight.is_cuda or not fbgemm_available():
                 return False
-            self.packed = fbgemm_pack(self.qweight, self.scale)
+            if self.mode == "w8a8" and self.rel_error is None:  # its check reads the plain copy
+                return False
+            pack = onednn_pack if self.mode == "w8a8" else fbgemm_pack
+            self.packed = pack(self.qweight, self.scale)
             if not self.shared:  # one copy in memory: `int8_weight` unpacks on demand
                 self.qweight = None
         return True
 
     def int8_weight(self) -> torch.Tensor:
-        "The (N, K) int8 weight: the buffer, or unpacked from fbgemm's layout once packed."
-        return self.qweight if self.qweight is not None else fbgemm_unpack(self.packed)
+        "The (N, K) int8 weight: the buffer, or unpacked from the packed copy once packed."
+        if self.qweight is not None:
+            return self.qweight
+        return onednn_unpack(self.packed) if self.mode == "w8a8" else fbgemm_unpack(self.packed)
 
     @property
     def packed_bytes(self) -> int:

@@ -153,6 +153,29 @@ def test_fbgemm_path_is_exact_and_keeps_one_copy():
     assert model.lm_head.qweight is model.embed_tokens.qweight
 
 
+def test_onednn_w8a8_path_equals_int_mm_and_keeps_one_copy():
+    """CPU W8A8 with VNNI: after its first-call check the layer runs oneDNN's packed GEMM, equal
+    to the unpacked `_int_mm` path (same int8 digits, int32 sums); one copy of the weight stays."""
+    torch.manual_seed(0)
+    ql = QuantizedLinear.from_float(nn.Linear(256, 40, bias=True), "w8a8")
+    q, s, b = ql.qweight.clone(), ql.scale.clone(), ql.bias.clone()
+    x = torch.randn(16, 256)
+    first = ql(x)  # the check, on the plain copy
+    assert ql.rel_error is not None and not ql.fell_back
+    assert torch.allclose(first, w8a8_matmul(x, q, s) + b, rtol=1e-5, atol=1e-5)
+    for rows in (1, 16, 300):  # decode, a batch, a prefill
+        xr = torch.randn(rows, 256)
+        assert torch.allclose(ql(xr), w8a8_matmul(xr, q, s) + b, rtol=1e-5, atol=1e-5)
+    if fbgemm_available():
+        assert ql.qweight is None and isinstance(ql.packed, tuple)
+        assert torch.equal(ql.int8_weight(), q)
+    else:
+        assert ql.packed is None and torch.equal(ql.qweight, q)
+    zero_first = QuantizedLinear.from_float(nn.Linear(64, 8), "w8a8")
+    zero_first(torch.zeros(1, 64))  # no check on zeros, so no packing yet: the plain copy stays
+    assert zero_first.rel_error is None and zero_first.qweight is not None
+
+
 @pytest.mark.parametrize("mode", QUANTIZATION_MODES)
 def test_quantized_linear_matches_float(mode):
     torch.manual_seed(0)
