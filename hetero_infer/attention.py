@@ -22,7 +22,7 @@ from .core import ATTENTION_BACKENDS
 from .torch_attention import AttentionBucket, bucket_keys, bucketed_attention
 from .torch_attention import paged_decode_attention, paged_prefill_attention
 from .torch_attention import plan_attention, write_kv
-from .torch_attention import CPP_HEAD_SIZES, cpp_decode_op, cpp_paged_decode_attention
+from .torch_attention import CPP_DTYPES, cpp_decode_op, cpp_paged_decode_attention
 
 
 # %% ../nbs/03_attention_reference.ipynb #1f3804be
@@ -276,8 +276,9 @@ class CppAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=None):
         "Write this step's K/V; decodes by the C++ kernel, prefill rows by the bucketed plan."
-        nd, D = meta.num_decodes, q.shape[-1]
-        if nd == 0 or D not in CPP_HEAD_SIZES or q.device.type != "cpu" or k_cache.dtype != q.dtype:
+        nd = meta.num_decodes
+        cpu = q.device.type == "cpu" and q.dtype in CPP_DTYPES and k_cache.dtype == q.dtype
+        if nd == 0 or not cpu:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         if not cpp_decode_op():  # no compiler here: said once, then the torch backend's path
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
@@ -340,7 +341,7 @@ def get_attention_backend(
     name: str = "auto",  # "auto", "torch", "triton", or any registered name
     device: str | torch.device | None = None,  # where the model runs; None: cuda if available
 ) -> AttentionBackend:
-    "The attention implementation to use: auto = Triton on CUDA, torch elsewhere."
+    "The attention implementation to use: auto = Triton on CUDA, the C++ decode kernel on CPU."
     extra = sorted((set(_backends) | set(BACKEND_PROVIDERS)) - set(ATTENTION_BACKENDS))
     names = (*ATTENTION_BACKENDS, *extra)  # core's names, then any other registered one
     if name not in names:
@@ -349,8 +350,8 @@ def get_attention_backend(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if name != "auto":
         return _load_backend(name)
-    if torch.device(device).type != "cuda":
-        return TorchAttentionBackend()
+    if torch.device(device).type != "cuda":  # the torch backend where the kernel can't be built
+        return CppAttentionBackend()
     try:
         return _load_backend("triton")
     except RuntimeError as e:

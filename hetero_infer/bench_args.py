@@ -261,8 +261,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
-        help="our engine's attention (default: auto = triton on CUDA, torch on CPU; cpp: the "
-        "compiled C++ decode kernel of 03, CPU)",
+        help="our engine's attention (default: auto = triton on CUDA, cpp on CPU: the compiled "
+        "C++ decode kernel of 03)",
     )
     o.add_argument(
         "--tensor-parallel-size",

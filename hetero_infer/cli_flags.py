@@ -54,8 +54,8 @@ ENGINE_FLAGS = {
     "device": (["--device"], str, None,
         "auto, cpu, cuda or cuda:N; auto = cuda when available"),
     "attention_backend": (["--attention-backend"], str, ATTENTION_BACKENDS,
-        "attention implementation; auto = triton on CUDA, torch on CPU; "
-        "cpp = torch with a compiled C++ decode kernel (CPU)"),
+        "attention implementation; auto = triton on CUDA, cpp on CPU; "
+        "cpp = torch with a compiled C++ decode kernel (CPU); torch = no compiled code"),
     "block_size": (["--block-size"], int, None,
         "tokens per KV-cache block (a power of two)"),
     "num_blocks": (["--num-blocks", "--max-num-blocks"], int, None,

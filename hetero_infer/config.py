@@ -57,7 +57,7 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 DEVICES = ("auto", "cpu", "cuda")
-# auto: triton on CUDA, torch on CPU; cpp: torch with a compiled C++ decode kernel (CPU, opt-in)
+# auto: triton on CUDA, cpp on CPU; cpp: torch with a compiled C++ decode kernel (CPU); torch
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpp")
 DEFAULT_HOST = "127.0.0.1"  # where the OpenAI-compatible server listens unless told
 DEFAULT_PORT = 3000  # hetero-paged-infer's port; the server and the CLI use it too
@@ -156,7 +156,7 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None takes the model's limit
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     enable_chunked_prefill: bool = True  # split long prompts across steps, beside decodes
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA, cpp on CPU
     seed: int = 0  # seed of the engine's default generator
     max_retry_attempts: int = 2  # retries of a request whose step raised, then "error"
     tensor_parallel_size: int = 1  # processes (ranks) one model is split across (13)

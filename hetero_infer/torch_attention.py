@@ -2,10 +2,16 @@
 
 # %% ../nbs/03_attention_reference.ipynb #aec7eeba
 from __future__ import annotations
+import ctypes
+import hashlib
 import logging
+import os
+import subprocess
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +21,8 @@ __all__ = [
     "BUCKET_BYTES",
     "CPP_DECODE_SOURCE",
     "CPP_FLAGS",
-    "CPP_HEAD_SIZES",
+    "CPP_LINK_FLAGS",
+    "CPP_DTYPES",
     "to_cache_dtype",
     "write_kv",
     "gather_kv",
@@ -26,6 +33,8 @@ __all__ = [
     "bucket_keys",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "kernel_cache_dir",
+    "build_shared_library",
     "cpp_decode_op",
     "cpp_paged_decode_attention",
 ]
@@ -316,21 +325,21 @@ def paged_prefill_attention(
 
 # %% ../nbs/03_attention_reference.ipynb #c99d0002
 CPP_DECODE_SOURCE = r"""
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/Parallel.h>  // torch's intra-op pool: the kernel runs on the threads torch has
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
+#include <cstdint>
 #include <vector>
 
-template <typename T, int64_t D>
+template <typename T, int64_t DC>  // DC: the head size as a constant, or 0 to read `dim`
 static void decode(const T* q, const T* kc, const T* vc, const int* bt, const int* lens, T* out,
-                   int64_t S, int64_t Hq, int64_t Hkv, int64_t bs, int64_t M, float scale,
-                   int64_t window) {
+                   int64_t S, int64_t Hq, int64_t Hkv, int64_t bs, int64_t M, int64_t dim,
+                   float scale, int64_t window) {
   // one sequence per work item, all its heads in one pass over its blocks: each block (bs
   // positions x Hkv heads x D, contiguous) is visited once, and the next one is prefetched
-  const int64_t g = Hq / Hkv, row = Hkv * D;
+  const int64_t D = DC ? DC : dim, g = Hq / Hkv, row = Hkv * D;
   at::parallel_for(0, S, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(Hq * D), acc(Hq * D), sum(Hq), sc;
     for (int64_t s = lo; s < hi; ++s) {
@@ -378,52 +387,93 @@ static void decode(const T* q, const T* kc, const T* vc, const int* bt, const in
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                        const at::Tensor& bt, const at::Tensor& lens, double scale,
-                        int64_t window) {
-  auto out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto run = [&](auto d) {  // head sizes as compile-time constants: unrolled, vectorized dots
-      decode<scalar_t, decltype(d)::value>(
-          q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-          bt.data_ptr<int>(), lens.data_ptr<int>(), out.data_ptr<scalar_t>(), q.size(0),
-          q.size(1), kc.size(2), kc.size(1), bt.size(1), (float)scale, window);
-    };
-    switch (q.size(2)) {
-      case 32: run(std::integral_constant<int64_t, 32>()); break;
-      case 64: run(std::integral_constant<int64_t, 64>()); break;
-      case 128: run(std::integral_constant<int64_t, 128>()); break;
-      default: TORCH_CHECK(false, "paged_decode: head size ", q.size(2), " not compiled");
-    }
-  });
-  return out;
+template <typename T>  // the common head sizes as constants (unrolled, vectorized dots)
+static void by_head_size(const void* q, const void* kc, const void* vc, const int* bt,
+                         const int* lens, void* out, int64_t S, int64_t Hq, int64_t Hkv,
+                         int64_t bs, int64_t M, int64_t dim, float scale, int64_t window) {
+  auto run = [&](auto dc) {
+    decode<T, decltype(dc)::value>((const T*)q, (const T*)kc, (const T*)vc, bt, lens, (T*)out,
+                                   S, Hq, Hkv, bs, M, dim, scale, window);
+  };
+  switch (dim) {
+    case 32: run(std::integral_constant<int64_t, 32>()); break;
+    case 64: run(std::integral_constant<int64_t, 64>()); break;
+    case 128: run(std::integral_constant<int64_t, 128>()); break;
+    default: run(std::integral_constant<int64_t, 0>());
+  }
 }
 
-TORCH_LIBRARY(hetero_infer, m) { m.def("paged_decode", &paged_decode); }
+extern "C" int hi_paged_decode(int dtype, const void* q, const void* kc, const void* vc,
+                               const int* bt, const int* lens, void* out, int64_t S, int64_t Hq,
+                               int64_t Hkv, int64_t bs, int64_t M, int64_t dim, float scale,
+                               int64_t window) {
+  switch (dtype) {  // CPP_DTYPES' codes
+    case 0: by_head_size<float>(q, kc, vc, bt, lens, out, S, Hq, Hkv, bs, M, dim, scale, window);
+            return 0;
+    case 1: by_head_size<c10::BFloat16>(q, kc, vc, bt, lens, out, S, Hq, Hkv, bs, M, dim, scale,
+                                        window);
+            return 0;
+    case 2: by_head_size<c10::Half>(q, kc, vc, bt, lens, out, S, Hq, Hkv, bs, M, dim, scale,
+                                    window);
+            return 0;
+  }
+  return 1;
+}
 """
-CPP_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]  # vectorized sums and exp
-CPP_HEAD_SIZES = (32, 64, 128)  # head sizes the kernel is compiled for (constants: unrolled)
-_cpp = {}  # "op": the compiled op, once built; "error": why it could not be
+CPP_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]  # vector sums, exp
+# linked apart, without -ffast-math: with it gcc links crtfastmath.o, whose start-up code makes the
+# whole process flush subnormal floats to zero
+CPP_LINK_FLAGS = ["-fopenmp"]
+CPP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the source's dtype codes
+_cpp = {}  # "op": the compiled function, once built; "error": why it could not be
 _log = logging.getLogger("hetero_infer.attention")
 
 
+def kernel_cache_dir() -> Path:
+    "Where compiled kernels are kept: $HETERO_INFER_CACHE, else ~/.cache/hetero_infer."
+    return Path(os.environ.get("HETERO_INFER_CACHE") or Path.home() / ".cache" / "hetero_infer")
+
+
+def build_shared_library(name: str, source: str, flags: list[str], link_flags: list[str]) -> Path:
+    "Compile C++ `source` into a shared library once per source, flags, compiler and torch."
+    torch_dir = Path(torch.__file__).parent
+    cxx = os.environ.get("CXX", "g++")
+    key = "\n".join([source, *flags, *link_flags, cxx, torch.__version__, str(torch_dir)])
+    lib = kernel_cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src, obj, out = Path(tmp, f"{name}.cpp"), Path(tmp, f"{name}.o"), Path(tmp, lib.name)
+        src.write_text(source)
+        libdir = torch_dir / "lib"
+        steps = [
+            [cxx, *flags, "-fPIC", f"-I{torch_dir / 'include'}", "-c", str(src), "-o", str(obj)],
+            [cxx, "-shared", *link_flags, str(obj), "-o", str(out), f"-L{libdir}", "-ltorch_cpu"]
+            + ["-lc10", f"-Wl,-rpath,{libdir}"],
+        ]
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-400:]}")
+        os.replace(out, lib)  # atomic: another process building the same file sees all or none
+    return lib
+
+
 def cpp_decode_op():
-    "The compiled paged-decode op, built on first call (then cached on disk); None if it can't be."
+    "The compiled paged-decode function (built on first call, then cached on disk), or None."
     if not _cpp:
         _log.info("compiling the C++ paged-decode kernel for this CPU (once; cached on disk) ...")
         t = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load_inline
-
-            load_inline(
-                "hetero_infer_paged_decode",
-                CPP_DECODE_SOURCE,
-                is_python_module=False,
-                extra_cflags=CPP_FLAGS,
-                extra_ldflags=["-fopenmp"],
+            path = build_shared_library(
+                "paged_decode", CPP_DECODE_SOURCE, CPP_FLAGS, CPP_LINK_FLAGS
             )
-            _cpp["op"] = torch.ops.hetero_infer.paged_decode
-            _cpp["seconds"] = time.perf_counter() - t
+            fn = ctypes.CDLL(str(path)).hi_paged_decode
+            fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+            fn.argtypes += [ctypes.c_float, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            _cpp["op"], _cpp["seconds"] = fn, time.perf_counter() - t
             _log.info(f"C++ paged-decode kernel ready in {_cpp['seconds']:.1f} s")
         except Exception as e:  # no compiler, no headers: the bucketed path serves instead
             _cpp["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -433,7 +483,7 @@ def cpp_decode_op():
 
 def cpp_paged_decode_attention(
     q: torch.Tensor,  # (S, Hq, D) one query per sequence
-    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), in q's dtype
+    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), in q's dtype, contiguous
     v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
     block_tables: torch.Tensor,  # (S, M) int32
     seq_lens: torch.Tensor,  # (S,) int32 context length incl. this token
@@ -441,12 +491,17 @@ def cpp_paged_decode_attention(
     window: int | None = None,  # sliding window; None: the whole context
 ) -> torch.Tensor:  # (S, Hq, D)
     "`paged_decode_attention` by the compiled kernel, reading K and V in place (one call)."
-    return cpp_decode_op()(
-        q.contiguous(),
-        k_cache,
-        v_cache,
-        block_tables.to(torch.int32).contiguous(),
-        seq_lens.to(torch.int32).contiguous(),
-        scale,
-        window or 0,
-    )
+    if q.dtype not in CPP_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share one of {list(CPP_DTYPES)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    q = q.contiguous()
+    bt = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    S, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    ptrs = [t.data_ptr() for t in (q, k_cache, v_cache, bt, lens, out)]
+    dims = (S, Hq, Hkv, bs, bt.shape[1], D)
+    cpp_decode_op()(CPP_DTYPES[q.dtype], *ptrs, *dims, scale, window or 0)
+    return out

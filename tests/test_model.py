@@ -268,7 +268,7 @@ def test_runner_sizes_and_limits(tmp_path):
     )
     assert r.max_model_len == 64
     assert r.num_blocks == 8 * 4 and r.kv_caches[0][0].shape == (32, 16, 2, 16)
-    assert r.model.backend.name == "torch" and r.dtype == torch.float32
+    assert r.model.backend.name == "cpp" and r.dtype == torch.float32  # auto on CPU
     with pytest.raises(ValueError, match=r"max_model_len \(1000\) exceeds"):
         ModelRunner(EngineConfig(model=str(tmp_path), max_model_len=1000))
 
