@@ -22,7 +22,7 @@ from .core import ATTENTION_BACKENDS
 from .torch_attention import AttentionBucket, bucket_keys, bucketed_attention
 from .torch_attention import paged_decode_attention, paged_prefill_attention
 from .torch_attention import plan_attention, write_kv
-from .torch_attention import CPP_DTYPES, cpp_decode_op, cpp_paged_decode_attention
+from .cpp_attention import CPP_DTYPES, cpp_decode_op, cpp_paged_decode_attention
 
 
 # %% ../nbs/03_attention_reference.ipynb #1f3804be

@@ -262,7 +262,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=ATTENTION_BACKENDS,
         help="our engine's attention (default: auto = triton on CUDA, cpp on CPU: the compiled "
-        "C++ decode kernel of 03)",
+        "C++ decode kernel of 03; torch: the bucketed torch path)",
     )
     o.add_argument(
         "--tensor-parallel-size",

@@ -4,19 +4,18 @@
 
 # %% ../nbs/15_quantization.ipynb #5ef60786
 from __future__ import annotations
-import functools
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 import torch
 import torch.nn as nn
+from .int8_matmul import fbgemm_available, fbgemm_int8_matmul, fbgemm_pack
+from .int8_matmul import fbgemm_unpack, int8_weight_matmul, onednn_pack
+from .int8_matmul import onednn_unpack, onednn_w8a8_matmul, w8a8_matmul
 
 # %% auto #0
 __all__ = [
     "GRANULARITIES",
     "FP8_DTYPE",
     "FP8_MAX",
-    "INT8PACK_MAX_ROWS",
     "QUANTIZATION_MODES",
     "KV_CACHE_DTYPES",
     "int8_scales",
@@ -24,16 +23,6 @@ __all__ = [
     "dequantize_int8",
     "quantize_fp8",
     "dequantize_fp8",
-    "quantize_activations",
-    "fbgemm_available",
-    "fbgemm_pack",
-    "fbgemm_unpack",
-    "fbgemm_int8_matmul",
-    "onednn_pack",
-    "onednn_unpack",
-    "onednn_w8a8_matmul",
-    "int8_weight_matmul",
-    "w8a8_matmul",
     "check_quantization",
     "QuantizedLinear",
     "QuantizedEmbedding",
@@ -114,128 +103,6 @@ def dequantize_fp8(
 ) -> torch.Tensor:
     "`q * scale` in `dtype`."
     return (q.float() * scale).to(dtype)
-
-
-# %% ../nbs/15_quantization.ipynb #5a318158
-def quantize_activations(
-    x: torch.Tensor,  # (M, K) activations, any float dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    "Dynamic symmetric per-token int8: (int8 (M, K), float32 scales (M, 1)), each row its own."
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(xf / scale).to(torch.int8), scale
-
-
-def _int_mm_two_digit(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor):
-    "x @ (qweight * scale).T through one int8 matmul of the activations' two int8 digits."
-    xf = x.float()
-    sx = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # (M, 1)
-    u = xf / sx  # (M, K) in [-127, 127]
-    q1 = torch.round(u)
-    q2 = torch.round((u - q1) * 254)  # the remainder, in [-127, 127]
-    acc = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), qweight.t()).float()  # (2M, N)
-    M = x.shape[0]
-    return (acc[:M] + acc[M:] / 254) * sx * scale
-
-
-# %% ../nbs/15_quantization.ipynb #ed4f0abb
-INT8PACK_MAX_ROWS = 2  # up to this many rows `_weight_int8pack_mm` wins on a CPU (measured in 15)
-
-
-@functools.cache
-def fbgemm_available() -> bool:
-    "Whether fbgemm's int8 GEMM runs here exactly: an x86 build on a CPU with AVX512-VNNI."
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return False
-    try:  # without VNNI fbgemm sums u8 x s8 pairs in int16, which saturates at 255 * 127 * 2
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def fbgemm_pack(qweight: torch.Tensor, scale: torch.Tensor):
-    "`qweight` (N, K) int8 with its per-row `scale` (N,) in fbgemm's packed layout (a new copy)."
-    zero = torch.zeros(qweight.shape[0], dtype=torch.int64)
-    with warnings.catch_warnings():  # torch 2.13 marks quantized-tensor creation deprecated
-        warnings.simplefilter("ignore", UserWarning)
-        q = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero, 0)
-    return torch.ops.quantized.linear_prepack(q, None)
-
-
-def fbgemm_unpack(packed) -> torch.Tensor:
-    "The (N, K) int8 weight back out of `fbgemm_pack`'s layout."
-    return torch.ops.quantized.linear_unpack(packed)[0].int_repr()
-
-
-def fbgemm_int8_matmul(x: torch.Tensor, packed) -> torch.Tensor:  # (M, K) -> (M, N) in x.dtype
-    "Weight-only `x @ (Q * s).T`: the activations' two int8 digits through fbgemm's u8 x s8 GEMM."
-    xf = x.float()
-    M, K = xf.shape
-    sx = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # (M, 1)
-    u = xf / sx
-    q1 = torch.round(u)
-    q2 = torch.round((u - q1) * 254)  # the remainder, in [-127, 127]
-    pin = xf.new_zeros(1, K)  # a row spanning [-127, 128]: fbgemm's dynamic quantization then
-    pin[0, 0], pin[0, 1] = (
-        -127.0,
-        128.0,
-    )  # picks scale 1, zero point 127, and the digits pass exactly
-    y = torch.ops.quantized.linear_dynamic(torch.cat([q1, q2, pin]), packed, False)  # (2M+1, N)
-    return ((y[:M] + y[M : 2 * M] / 254) * sx).to(x.dtype)
-
-
-def onednn_pack(qweight: torch.Tensor, scale: torch.Tensor) -> tuple:
-    "`qweight` (N, K) int8 in oneDNN's packed layout for `qlinear` (a new copy), with its scales."
-    N, K = qweight.shape
-    zero = torch.zeros(N, dtype=torch.int64)
-    return torch.ops.onednn.qlinear_prepack(qweight, [1, K]), scale.float().contiguous(), zero
-
-
-def onednn_unpack(packed: tuple) -> torch.Tensor:
-    "The (N, K) int8 weight back out of `onednn_pack`'s layout."
-    return packed[0].to_dense().t().contiguous()
-
-
-def onednn_w8a8_matmul(x: torch.Tensor, packed: tuple) -> torch.Tensor:  # (M, K) -> (M, N)
-    "W8A8 `x @ (Q * s).T`: per-token int8 activations through oneDNN's packed u8 x s8 GEMM."
-    w, scale, zero = packed
-    xq, sx = quantize_activations(x)
-    xu = (xq.to(torch.int16) + 128).to(torch.uint8)  # oneDNN's input: u8 with a zero point
-    y = torch.ops.onednn.qlinear_pointwise(
-        xu, 1.0, 128, w, scale, zero, None, 1.0, 0, torch.float32, "none", [], ""
-    )  # (M, N) float32, the weight scales applied, the token scales not yet
-    return (y * sx).to(x.dtype)
-
-
-def int8_weight_matmul(
-    x: torch.Tensor,  # (M, K) activations
-    qweight: torch.Tensor,  # (N, K) int8, per-output-channel
-    scale: torch.Tensor,  # (N,) float32
-) -> torch.Tensor:  # (M, N) in x.dtype
-    "Weight-only int8 `x @ (qweight * scale).T`: the fastest path for this device and row count."
-    if x.is_cuda:
-        from hetero_infer.quant_kernels import triton_int8_matmul
-
-        return triton_int8_matmul(x, qweight, scale)
-    few = x.shape[0] <= INT8PACK_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-    if few and x.shape[1] % 16 == 0:  # other K give garbage or crash in torch 2.13's kernel
-        return torch.ops.aten._weight_int8pack_mm(x, qweight, scale.to(x.dtype))
-    return _int_mm_two_digit(x, qweight, scale).to(x.dtype)
-
-
-# %% ../nbs/15_quantization.ipynb #cdf9c640
-def w8a8_matmul(
-    x: torch.Tensor,  # (M, K) activations
-    qweight: torch.Tensor,  # (N, K) int8
-    scale: torch.Tensor,  # (N,) float32
-) -> torch.Tensor:  # (M, N) in x.dtype
-    "`x @ (qweight * scale).T` with `x` quantized per token to int8 and int32 accumulation."
-    xq, sx = quantize_activations(x)
-    M = xq.shape[0]
-    if x.is_cuda and M <= 16:  # torch._int_mm on CUDA needs more than 16 rows
-        xq = torch.cat([xq, xq.new_zeros(17 - M, xq.shape[1])])
-    acc = torch._int_mm(xq, qweight.t())[:M].float()  # (M, N) int32 -> float32
-    return (acc * sx * scale).to(x.dtype)
 
 
 # %% ../nbs/15_quantization.ipynb #445c17b3

@@ -2,16 +2,7 @@
 
 # %% ../nbs/03_attention_reference.ipynb #aec7eeba
 from __future__ import annotations
-import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
-import time
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 import torch
 import torch.nn.functional as F
 
@@ -19,10 +10,6 @@ import torch.nn.functional as F
 __all__ = [
     "FP8_KV_MAX",
     "BUCKET_BYTES",
-    "CPP_DECODE_SOURCE",
-    "CPP_FLAGS",
-    "CPP_LINK_FLAGS",
-    "CPP_DTYPES",
     "to_cache_dtype",
     "write_kv",
     "gather_kv",
@@ -33,10 +20,6 @@ __all__ = [
     "bucket_keys",
     "paged_decode_attention",
     "paged_prefill_attention",
-    "kernel_cache_dir",
-    "build_shared_library",
-    "cpp_decode_op",
-    "cpp_paged_decode_attention",
 ]
 
 # %% ../nbs/03_attention_reference.ipynb #02378569
@@ -321,187 +304,3 @@ def paged_prefill_attention(
         bucket_keys(k_cache),
     )
     return bucketed_attention(q, k_cache, v_cache, plan, scale)
-
-
-# %% ../nbs/03_attention_reference.ipynb #c99d0002
-CPP_DECODE_SOURCE = r"""
-#include <ATen/Parallel.h>  // torch's intra-op pool: the kernel runs on the threads torch has
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <vector>
-
-template <typename T, int64_t DC>  // DC: the head size as a constant, or 0 to read `dim`
-static void decode(const T* q, const T* kc, const T* vc, const int* bt, const int* lens, T* out,
-                   int64_t S, int64_t Hq, int64_t Hkv, int64_t bs, int64_t M, int64_t dim,
-                   float scale, int64_t window) {
-  // one sequence per work item, all its heads in one pass over its blocks: each block (bs
-  // positions x Hkv heads x D, contiguous) is visited once, and the next one is prefetched
-  const int64_t D = DC ? DC : dim, g = Hq / Hkv, row = Hkv * D;
-  at::parallel_for(0, S, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(Hq * D), acc(Hq * D), sum(Hq), sc;
-    for (int64_t s = lo; s < hi; ++s) {
-      const int64_t L = lens[s];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - start;
-      const int* tab = bt + s * M;
-      sc.resize(Hq * n);
-      for (int64_t j = 0; j < Hq * D; ++j) qf[j] = float(q[s * Hq * D + j]) * scale;
-      for (int64_t p = start; p < L; ++p) {  // scores: q . k of every key, read in place
-        if (p % bs == 0 && p + bs < L) __builtin_prefetch(kc + int64_t(tab[p / bs + 1]) * bs * row);
-        const T* k = kc + (int64_t(tab[p / bs]) * bs + p % bs) * row;
-        for (int64_t h = 0; h < Hkv; ++h)
-          for (int64_t j = 0; j < g; ++j) {
-            float a = 0.f;
-            const float* qj = qf.data() + (h * g + j) * D;
-            for (int64_t d = 0; d < D; ++d) a += qj[d] * float(k[h * D + d]);
-            sc[(h * g + j) * n + p - start] = a;
-          }
-      }
-      for (int64_t i = 0; i < Hq; ++i) {  // softmax numerators, one vectorized pass per head
-        float* x = sc.data() + i * n;
-        float m = x[0];
-        for (int64_t t = 1; t < n; ++t) m = std::max(m, x[t]);
-        float z = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          x[t] = std::exp(x[t] - m);
-          z += x[t];
-        }
-        sum[i] = z;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = start; p < L; ++p) {  // weights times values
-        if (p % bs == 0 && p + bs < L) __builtin_prefetch(vc + int64_t(tab[p / bs + 1]) * bs * row);
-        const T* v = vc + (int64_t(tab[p / bs]) * bs + p % bs) * row;
-        for (int64_t h = 0; h < Hkv; ++h)
-          for (int64_t j = 0; j < g; ++j) {
-            const float e = sc[(h * g + j) * n + p - start];
-            float* a = acc.data() + (h * g + j) * D;
-            for (int64_t d = 0; d < D; ++d) a[d] += e * float(v[h * D + d]);
-          }
-      }
-      for (int64_t j = 0; j < Hq * D; ++j) out[s * Hq * D + j] = T(acc[j] / sum[j / D]);
-    }
-  });
-}
-
-template <typename T>  // the common head sizes as constants (unrolled, vectorized dots)
-static void by_head_size(const void* q, const void* kc, const void* vc, const int* bt,
-                         const int* lens, void* out, int64_t S, int64_t Hq, int64_t Hkv,
-                         int64_t bs, int64_t M, int64_t dim, float scale, int64_t window) {
-  auto run = [&](auto dc) {
-    decode<T, decltype(dc)::value>((const T*)q, (const T*)kc, (const T*)vc, bt, lens, (T*)out,
-                                   S, Hq, Hkv, bs, M, dim, scale, window);
-  };
-  switch (dim) {
-    case 32: run(std::integral_constant<int64_t, 32>()); break;
-    case 64: run(std::integral_constant<int64_t, 64>()); break;
-    case 128: run(std::integral_constant<int64_t, 128>()); break;
-    default: run(std::integral_constant<int64_t, 0>());
-  }
-}
-
-extern "C" int hi_paged_decode(int dtype, const void* q, const void* kc, const void* vc,
-                               const int* bt, const int* lens, void* out, int64_t S, int64_t Hq,
-                               int64_t Hkv, int64_t bs, int64_t M, int64_t dim, float scale,
-                               int64_t window) {
-  switch (dtype) {  // CPP_DTYPES' codes
-    case 0: by_head_size<float>(q, kc, vc, bt, lens, out, S, Hq, Hkv, bs, M, dim, scale, window);
-            return 0;
-    case 1: by_head_size<c10::BFloat16>(q, kc, vc, bt, lens, out, S, Hq, Hkv, bs, M, dim, scale,
-                                        window);
-            return 0;
-    case 2: by_head_size<c10::Half>(q, kc, vc, bt, lens, out, S, Hq, Hkv, bs, M, dim, scale,
-                                    window);
-            return 0;
-  }
-  return 1;
-}
-"""
-CPP_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]  # vector sums, exp
-# linked apart, without -ffast-math: with it gcc links crtfastmath.o, whose start-up code makes the
-# whole process flush subnormal floats to zero
-CPP_LINK_FLAGS = ["-fopenmp"]
-CPP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the source's dtype codes
-_cpp = {}  # "op": the compiled function, once built; "error": why it could not be
-_log = logging.getLogger("hetero_infer.attention")
-
-
-def kernel_cache_dir() -> Path:
-    "Where compiled kernels are kept: $HETERO_INFER_CACHE, else ~/.cache/hetero_infer."
-    return Path(os.environ.get("HETERO_INFER_CACHE") or Path.home() / ".cache" / "hetero_infer")
-
-
-def build_shared_library(name: str, source: str, flags: list[str], link_flags: list[str]) -> Path:
-    "Compile C++ `source` into a shared library once per source, flags, compiler and torch."
-    torch_dir = Path(torch.__file__).parent
-    cxx = os.environ.get("CXX", "g++")
-    key = "\n".join([source, *flags, *link_flags, cxx, torch.__version__, str(torch_dir)])
-    lib = kernel_cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, obj, out = Path(tmp, f"{name}.cpp"), Path(tmp, f"{name}.o"), Path(tmp, lib.name)
-        src.write_text(source)
-        libdir = torch_dir / "lib"
-        steps = [
-            [cxx, *flags, "-fPIC", f"-I{torch_dir / 'include'}", "-c", str(src), "-o", str(obj)],
-            [cxx, "-shared", *link_flags, str(obj), "-o", str(out), f"-L{libdir}", "-ltorch_cpu"]
-            + ["-lc10", f"-Wl,-rpath,{libdir}"],
-        ]
-        for cmd in steps:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-400:]}")
-        os.replace(out, lib)  # atomic: another process building the same file sees all or none
-    return lib
-
-
-def cpp_decode_op():
-    "The compiled paged-decode function (built on first call, then cached on disk), or None."
-    if not _cpp:
-        _log.info("compiling the C++ paged-decode kernel for this CPU (once; cached on disk) ...")
-        t = time.perf_counter()
-        try:
-            path = build_shared_library(
-                "paged_decode", CPP_DECODE_SOURCE, CPP_FLAGS, CPP_LINK_FLAGS
-            )
-            fn = ctypes.CDLL(str(path)).hi_paged_decode
-            fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
-            fn.argtypes += [ctypes.c_float, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-            _cpp["op"], _cpp["seconds"] = fn, time.perf_counter() - t
-            _log.info(f"C++ paged-decode kernel ready in {_cpp['seconds']:.1f} s")
-        except Exception as e:  # no compiler, no headers: the bucketed path serves instead
-            _cpp["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            warnings.warn(f"C++ paged-decode kernel unavailable ({_cpp['error']}); using SDPA")
-    return _cpp.get("op")
-
-
-def cpp_paged_decode_attention(
-    q: torch.Tensor,  # (S, Hq, D) one query per sequence
-    k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), in q's dtype, contiguous
-    v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
-    block_tables: torch.Tensor,  # (S, M) int32
-    seq_lens: torch.Tensor,  # (S,) int32 context length incl. this token
-    scale: float,
-    window: int | None = None,  # sliding window; None: the whole context
-) -> torch.Tensor:  # (S, Hq, D)
-    "`paged_decode_attention` by the compiled kernel, reading K and V in place (one call)."
-    if q.dtype not in CPP_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the caches must share one of {list(CPP_DTYPES)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    q = q.contiguous()
-    bt = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
-    S, Hq, D = q.shape
-    _, bs, Hkv, _ = k_cache.shape
-    ptrs = [t.data_ptr() for t in (q, k_cache, v_cache, bt, lens, out)]
-    dims = (S, Hq, Hkv, bs, bt.shape[1], D)
-    cpp_decode_op()(CPP_DTYPES[q.dtype], *ptrs, *dims, scale, window or 0)
-    return out

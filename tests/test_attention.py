@@ -408,7 +408,7 @@ NEEDS_CXX = pytest.mark.skipif(
 
 
 def test_cpp_backend_is_configurable_and_falls_back():
-    import hetero_infer.torch_attention as ta
+    import hetero_infer.cpp_attention as ta
     from hetero_infer.attention import CppAttentionBackend
     from hetero_infer.core import EngineConfig
 
@@ -440,7 +440,7 @@ def test_cpp_backend_is_configurable_and_falls_back():
 @pytest.mark.parametrize("g", [1, 2, 7])
 @pytest.mark.parametrize("window", [None, 1, 9])
 def test_cpp_decode_kernel_sweep(dtype, D, g, window):
-    from hetero_infer.torch_attention import cpp_decode_op, cpp_paged_decode_attention
+    from hetero_infer.cpp_attention import cpp_decode_op, cpp_paged_decode_attention
 
     assert cpp_decode_op() is not None
     bs = 16
@@ -467,7 +467,7 @@ def test_cpp_backend_mixed_step(window):
 @NEEDS_CXX
 def test_cpp_kernel_keeps_subnormal_floats():
     "Loading the kernel must not switch the process to flush-to-zero (gcc's -ffast-math at link)."
-    from hetero_infer.torch_attention import cpp_decode_op
+    from hetero_infer.cpp_attention import cpp_decode_op
 
     assert cpp_decode_op() is not None
     tiny = torch.tensor([1e-40])  # a float32 subnormal

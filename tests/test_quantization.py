@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from hetero_infer.int8_matmul import quantize_activations
 from hetero_infer.quantization import (
     FP8_DTYPE,
     FP8_MAX,
@@ -20,7 +21,6 @@ from hetero_infer.quantization import (
     int8_weight_matmul,
     kv_blocks_at_equal_memory,
     module_bytes,
-    quantize_activations,
     quantize_fp8,
     quantize_int8,
     quantize_model,
