@@ -8,9 +8,9 @@ __all__ = []
 
 # %% ../nbs/index.ipynb #811c2d15
 # The public API at the package root, as in vLLM: `from hetero_infer import LLM, SamplingParams`.
-from .core import EngineConfig, SamplingParams, RequestOutput, CompletionOutput  # noqa: E402, F401
-from .engine import LLM, LLMEngine  # noqa: E402, F401
-from .structured_outputs import StructuredOutputsParams  # noqa: E402, F401
-
-# speculative decoding (12) and tensor parallelism (13) register themselves with the engine
-from . import speculative as _speculative, parallel as _parallel  # noqa: E402, F401
+from .core.config import EngineConfig  # noqa: E402, F401
+from .core.sampling_params import SamplingParams  # noqa: E402, F401
+from .core.outputs import CompletionOutput, RequestOutput  # noqa: E402, F401
+from .engine.llm import LLM  # noqa: E402, F401
+from .engine.llm_engine import LLMEngine  # noqa: E402, F401
+from .structured.grammar import StructuredOutputsParams  # noqa: E402, F401

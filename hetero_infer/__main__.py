@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from . import cli
+import hetero_infer.cli.main as cli
 
 if __name__ == "__main__" and "__file__" in globals():  # not in a notebook, also "__main__"
     sys.exit(cli.main())

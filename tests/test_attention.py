@@ -1,4 +1,4 @@
-"""Sweeps for the torch paged-attention reference (hetero_infer.attention) against an fp64
+"""Sweeps for the torch paged-attention reference (hetero_infer.attention.backend) against an fp64
 contiguous reference."""
 
 import math
@@ -7,13 +7,13 @@ import shutil
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from hetero_infer.attention import (
+from hetero_infer.attention.backend import (
     AttentionMetadata,
     AttentionBackend,
     TorchAttentionBackend,
     get_attention_backend,
 )
-from hetero_infer.torch_attention import (
+from hetero_infer.attention.torch_ref import (
     attention_buckets,
     gather_kv,
     paged_decode_attention,
@@ -238,7 +238,7 @@ def test_backend_selection():
     with pytest.raises(ValueError, match="name must be one of"):
         get_attention_backend("flash")
     try:
-        import hetero_infer.kernels as K
+        import hetero_infer.attention.triton.backend as K
 
         has_kernels = hasattr(K, "TritonAttentionBackend")
     except ImportError:
@@ -254,7 +254,7 @@ def test_import_does_not_import_triton():
     import subprocess
     import sys
 
-    code = "import sys, hetero_infer.attention; assert 'triton' not in sys.modules"
+    code = "import sys, hetero_infer.attention.backend; assert 'triton' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -408,9 +408,9 @@ NEEDS_CXX = pytest.mark.skipif(
 
 
 def test_cpp_backend_is_configurable_and_falls_back():
-    import hetero_infer.cpp_attention as ta
-    from hetero_infer.attention import CppAttentionBackend
-    from hetero_infer.core import EngineConfig
+    import hetero_infer.attention.cpp as ta
+    from hetero_infer.attention.backend import CppAttentionBackend
+    from hetero_infer.core.config import EngineConfig
 
     assert EngineConfig(attention_backend="cpp").attention_backend == "cpp"
     assert get_attention_backend("cpp").name == "cpp"
@@ -440,7 +440,7 @@ def test_cpp_backend_is_configurable_and_falls_back():
 @pytest.mark.parametrize("g", [1, 2, 7])
 @pytest.mark.parametrize("window", [None, 1, 9])
 def test_cpp_decode_kernel_sweep(dtype, D, g, window):
-    from hetero_infer.cpp_attention import cpp_decode_op, cpp_paged_decode_attention
+    from hetero_infer.attention.cpp import cpp_decode_op, cpp_paged_decode_attention
 
     assert cpp_decode_op() is not None
     bs = 16
@@ -456,7 +456,7 @@ def test_cpp_decode_kernel_sweep(dtype, D, g, window):
 @NEEDS_CXX
 @pytest.mark.parametrize("window", [None, 3])
 def test_cpp_backend_mixed_step(window):
-    from hetero_infer.attention import CppAttentionBackend
+    from hetero_infer.attention.backend import CppAttentionBackend
 
     lens, qlens = [5, 17, 33, 9, 12], [1, 1, 1, 4, 12]  # three decodes, a chunk, a fresh prompt
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, 4, 2, 4, 64, torch.float32)
@@ -467,7 +467,7 @@ def test_cpp_backend_mixed_step(window):
 @NEEDS_CXX
 def test_cpp_kernel_keeps_subnormal_floats():
     "Loading the kernel must not switch the process to flush-to-zero (gcc's -ffast-math at link)."
-    from hetero_infer.cpp_attention import cpp_decode_op
+    from hetero_infer.attention.cpp import cpp_decode_op
 
     assert cpp_decode_op() is not None
     tiny = torch.tensor([1e-40])  # a float32 subnormal

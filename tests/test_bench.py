@@ -12,21 +12,21 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from hetero_infer import bench_peers
-from hetero_infer.bench import bench_command
-from hetero_infer.bench_args import add_bench_arguments
-from hetero_infer.bench_experiments import (
+import hetero_infer.bench.peers as bench_peers
+from hetero_infer.bench.main import bench_command
+from hetero_infer.bench.args import add_bench_arguments
+from hetero_infer.bench.experiments import (
     PHASES,
     bench_engine,
     make_requests,
     step_breakdown,
     trace_engine,
 )
-from hetero_infer.bench_load import RequestRecord, poisson_arrivals, serve_metrics
-from hetero_infer.bench_peers import format_offline, offline_bench
-from hetero_infer.bench_workload import Timing, fit_workload, measure, percentile, random_workload
+from hetero_infer.bench.load import RequestRecord, poisson_arrivals, serve_metrics
+from hetero_infer.bench.peers import format_offline, offline_bench
+from hetero_infer.bench.workload import Timing, fit_workload, measure, percentile, random_workload
 from hetero_infer.testing import DUMMY_CONFIGS, dummy_checkpoint
-from hetero_infer.demo import DEMO_MODEL_DIR
+from hetero_infer.core.config import DEMO_MODEL_DIR
 
 
 def parser():
@@ -155,7 +155,7 @@ def test_serve_metrics_percentiles_and_goodput():
 
 def test_dummy_checkpoint_loads_in_ours_and_transformers(tmp_path):
     import transformers
-    from hetero_infer.model import load_model
+    from hetero_infer.model.loading import load_model
 
     path = dummy_checkpoint("tiny-llama", tmp_path / "m", dtype="float32")
     ours = load_model(path, "float32")
@@ -169,7 +169,7 @@ def test_dummy_checkpoint_loads_in_ours_and_transformers(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(DUMMY_CONFIGS))
 def test_public_configs_parse(name):
-    from hetero_infer.model import parse_config
+    from hetero_infer.model.loading import parse_config
 
     c = parse_config(DUMMY_CONFIGS[name])
     assert (
@@ -224,7 +224,11 @@ def test_offline_command_writes_json(tmp_path, capsys):
             str(out),
         ]
     )
-    args.argv = ["offline", "--num-requests", "5"]  # as `python -m hetero_infer.bench` passes them
+    args.argv = [
+        "offline",
+        "--num-requests",
+        "5",
+    ]  # as `python -m hetero_infer.bench.main` passes them
     assert bench_command(args) == 0
     res = json.loads(out.read_text())
     assert (
@@ -359,8 +363,8 @@ def test_step_breakdown_phases_sum_to_the_step_and_unwrap():
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("hetero_infer.server") is None,
-    reason="hetero_infer.server is not built yet (09_server): bench serve needs a real server",
+    importlib.util.find_spec("hetero_infer.server.serve") is None,
+    reason="hetero_infer.server.serve is not built (09_server): bench serve needs a real server",
 )
 def test_serve_bench_against_real_server(tmp_path, capsys):
     """`hetero-infer bench serve` starting its own server: every request served, the command
@@ -447,7 +451,7 @@ HAS_VLLM_HERE = importlib.util.find_spec("vllm") is not None
 
 
 def test_vllm_runner_protocol_lines():
-    from hetero_infer.bench_vllm import PREFIX, parse_runner_line
+    from hetero_infer.bench.vllm import PREFIX, parse_runner_line
 
     assert parse_runner_line(PREFIX + '{"ready": true, "vllm": "0.32.0"}\n')["vllm"] == "0.32.0"
     assert parse_runner_line(PREFIX + '{"seconds": 0.25}')["seconds"] == 0.25
@@ -463,7 +467,7 @@ def test_vllm_runner_reports_an_error_line_when_vllm_does_not_import():
     """The runner's failure path, run for real here (no vLLM): one error line, exit status 1."""
     import io
 
-    from hetero_infer.bench_vllm import parse_runner_line, runner_main, vllm_spec
+    from hetero_infer.bench.vllm import parse_runner_line, runner_main, vllm_spec
 
     out = io.StringIO()
     spec = vllm_spec("m", [[5, 6]], [2])
@@ -511,7 +515,7 @@ def test_offline_threads_survive_the_runners_load_based_choice(tmp_path, monkeyp
     """`--threads N` is the user's choice even when N is torch's default count: on a busy machine
     the runner's load-based choice (05's set_cpu_threads) would otherwise cut ours to fewer threads,
     and vLLM's worker, which gets ours' count, with it. (It can fail only where torch has 2+.)"""
-    from hetero_infer import loading
+    import hetero_infer.model.loading as loading
 
     n, before = loading._TORCH_DEFAULT_THREADS, torch.get_num_threads()
     monkeypatch.setattr(loading, "_threads_decided", False)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
 
-from hetero_infer.core import Sequence
-from hetero_infer.block_manager import BlockManager, NoFreeBlocksError, hash_block
+from hetero_infer.core.sequence import Sequence
+from hetero_infer.kv_cache.block_manager import BlockManager, NoFreeBlocksError, hash_block
 
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 tokens = st.lists(

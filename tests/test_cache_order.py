@@ -4,9 +4,11 @@ scheduler (schedule -> update -> finish), so the tests hold whenever a block is 
 observed through prefix hits (`num_cached_tokens`) at admission."""
 
 import itertools
-from hetero_infer.core import EngineConfig, SamplingParams, Sequence, SequenceStatus
-from hetero_infer.scheduler import Scheduler
-from hetero_infer.block_manager import BlockManager
+from hetero_infer.core.config import EngineConfig
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.core.sequence import Sequence, SequenceStatus
+from hetero_infer.scheduler.scheduler import Scheduler
+from hetero_infer.kv_cache.block_manager import BlockManager
 
 BS = 4
 _ids = itertools.count()

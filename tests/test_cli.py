@@ -11,9 +11,11 @@ import subprocess
 import sys
 import pytest
 import torch
-from hetero_infer.cli import build_parser, main, seed_argv, serve_options, engine_config
-from hetero_infer.cli_flags import ENGINE_FLAGS
-from hetero_infer.demo import DEMO_MODEL_DIR
+from hetero_infer.cli.flags import build_parser, seed_argv
+from hetero_infer.cli.main import main
+from hetero_infer.cli.config import serve_options, engine_config
+from hetero_infer.cli.flags import ENGINE_FLAGS
+from hetero_infer.core.config import DEMO_MODEL_DIR
 
 SEED_CONFIG = {
     "block_size": 16,
@@ -122,7 +124,7 @@ def run_cli_subprocess(argv, block_triton=False, env=None, timeout=300):
             if block_triton
             else ""
         )
-        + "from hetero_infer.cli import main\nsys.exit(main(json.loads(sys.argv[1])))"
+        + "from hetero_infer.cli.main import main\nsys.exit(main(json.loads(sys.argv[1])))"
     )
     env = {
         k: v
@@ -301,7 +303,7 @@ def test_engine_flags_cover_generate_and_serve():
             assert all(f in opts for f in flags) or field not in {
                 f.name
                 for f in __import__("dataclasses").fields(
-                    __import__("hetero_infer.core").core.EngineConfig
+                    __import__("hetero_infer.core.sampling_params").core.EngineConfig
                 )
             }, (field, name)
 
@@ -390,7 +392,7 @@ def test_generate_on_the_demo_model_through_the_console_script():
         else [
             sys.executable,
             "-c",
-            "import sys; from hetero_infer.cli import main; sys.exit(main())",
+            "import sys; from hetero_infer.cli.main import main; sys.exit(main())",
         ]
     )
     r = subprocess.run(
@@ -509,7 +511,7 @@ def test_host_that_does_not_resolve_names_host():
     )
 
 
-@pytest.mark.parametrize("module", ["hetero_infer", "hetero_infer.cli"])
+@pytest.mark.parametrize("module", ["hetero_infer", "hetero_infer.cli.main"])
 def test_python_dash_m_runs_the_command(module):
     "Item 16: `python -m hetero_infer[.cli] ...` is the command (it exited 0 doing nothing)."
     code, _, err = run_installed(["demo", "--num-prompts", "0"], cmd=[sys.executable, "-m", module])

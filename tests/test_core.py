@@ -4,16 +4,11 @@
 import json
 import math
 import pytest
-from hetero_infer.core import (
-    EngineConfig,
-    ServingConfig,
-    SamplingParams,
-    SequenceStatus,
-    CompletionOutput,
-    RequestOutput,
-    QueueFullError,
-)
-from hetero_infer.hpi_config import is_hpi_format
+from hetero_infer.core.config import EngineConfig, ServingConfig
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.core.sequence import SequenceStatus, QueueFullError
+from hetero_infer.core.outputs import CompletionOutput, RequestOutput
+from hetero_infer.core.hpi_config import is_hpi_format
 
 # The example config.json of hetero-paged-infer, byte for byte as in issue 10.
 HPI_EXAMPLE = (
@@ -413,7 +408,7 @@ def test_min_tokens_at_most_max_tokens():
 
 # --- exact messages and normalizations (issue 18: from a full mutation run of core)
 
-from hetero_infer.core import Sequence  # noqa: E402
+from hetero_infer.core.sequence import Sequence  # noqa: E402
 
 # (what is built, its arguments, the exception, its message): every message names the field, the
 # rule and the value.

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from hetero_infer.demo import (
-    DEMO_MODEL_DIR,
+from hetero_infer.core.config import DEMO_MODEL_DIR
+from hetero_infer.demo.task import (
     LETTERS,
     TASKS,
     MIN_LEN,
@@ -66,7 +66,8 @@ def test_checkpoint_files_and_size():
 
 def test_model_dir_does_not_depend_on_cwd(tmp_path):
     code = (
-        "from hetero_infer.demo import DEMO_MODEL_DIR as d; print(d, (d / 'config.json').is_file())"
+        "from hetero_infer.core.config import DEMO_MODEL_DIR as d; "
+        "print(d, (d / 'config.json').is_file())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
@@ -162,7 +163,7 @@ def test_readme_command_line_example_prints_what_the_readme_shows(capsys):
     import re
     import shlex
     from pathlib import Path
-    from hetero_infer.cli import main
+    from hetero_infer.cli.main import main
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     m = re.search(r"^(hetero-infer generate --chat .*)\n((?:# .*\n)+)", readme, re.M)

@@ -2,9 +2,9 @@
 text; stop strings are refused."""
 
 import pytest
-from hetero_infer.core import SamplingParams
-from hetero_infer.engine import LLM
-from hetero_infer.demo import format_prompt
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.engine.llm import LLM
+from hetero_infer.demo.task import format_prompt
 
 
 def test_detokenize_off_gives_the_same_tokens_and_no_text():

@@ -4,8 +4,9 @@ strings that span tokens, through the engine."""
 
 import pytest
 from hypothesis import given, strategies as st
-from hetero_infer.core import SamplingParams
-from hetero_infer.engine import LLM, IncrementalDetokenizer
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.engine.llm import LLM
+from hetero_infer.engine.tokenization import IncrementalDetokenizer
 from hetero_infer.testing import tiny_hf_checkpoint
 
 SPECIALS = ["<unk>", "<s>", "</s>"]

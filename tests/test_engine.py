@@ -5,8 +5,8 @@ family, also under preemption, chunked prefill, prefix caching, n = 2, and the T
 import os
 import pytest
 import torch
-from hetero_infer.core import SamplingParams
-from hetero_infer.engine import LLM
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.engine.llm import LLM
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 
 # Larger random weights than HF's default (0.02) give well-separated logits, so greedy ties cannot
@@ -200,8 +200,9 @@ def test_prompt_longer_than_max_model_len(tmp_path):
 # survives it
 
 from collections import Counter  # noqa: E402
-from hetero_infer.engine import EngineStepError, LLMEngine  # noqa: E402
-from hetero_infer.core import EngineConfig  # noqa: E402
+from hetero_infer.engine.llm import EngineStepError  # noqa: E402
+from hetero_infer.engine.llm_engine import LLMEngine  # noqa: E402
+from hetero_infer.core.config import EngineConfig  # noqa: E402
 
 
 def fail_on(model, calls, exc=None):
@@ -368,7 +369,7 @@ def test_llm_arguments_as_vllm(llama, tmp_path):
 def _demo_copy(tmp_path, eos):
     import json
     import shutil
-    from hetero_infer.demo import DEMO_MODEL_DIR
+    from hetero_infer.core.config import DEMO_MODEL_DIR
 
     d = tmp_path / "demo"
     shutil.copytree(DEMO_MODEL_DIR, d)
@@ -415,7 +416,7 @@ def test_include_stop_str_in_output_keeps_stop_token_text():
 
 def _takes_window(name):
     import inspect
-    from hetero_infer.attention import get_attention_backend
+    from hetero_infer.attention.backend import get_attention_backend
 
     try:
         b = get_attention_backend(name, torch.device("cpu"))

@@ -3,8 +3,8 @@ completion indices and seeds of n > 1 requests, and when an aborted request stop
 unfinished."""
 
 import pytest
-from hetero_infer.core import SamplingParams
-from hetero_infer.engine import LLM
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.engine.llm import LLM
 from hetero_infer.testing import tiny_hf_checkpoint
 
 

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import hetero_infer.engine as engine_mod
-from hetero_infer.core import EngineConfig, SamplingParams
-from hetero_infer.demo import DEMO_MODEL_DIR
-from hetero_infer.engine import (
-    LLM,
-    LLMEngine,
-    EngineStepError,
-    as_prompt_list,
-    engine_kwargs,
+import hetero_infer.engine.llm as engine_mod
+from hetero_infer.core.config import EngineConfig
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.core.config import DEMO_MODEL_DIR
+from hetero_infer.engine.llm import LLM, EngineStepError, as_prompt_list, engine_kwargs
+from hetero_infer.engine.llm_engine import LLMEngine
+from hetero_infer.engine.tokenization import (
+    IncrementalDetokenizer,
+    find_stop_string,
+    load_tokenizer,
 )
-from hetero_infer.tokenization import IncrementalDetokenizer, find_stop_string, load_tokenizer
 from hetero_infer.testing import tiny_hf_checkpoint
 
 CPU = dict(device="cpu", dtype="float32")
@@ -871,7 +871,7 @@ def test_chat_needs_a_chat_template(tiny_path):
 def test_speculation_gives_the_plain_outputs_in_fewer_steps():
     """The demo model copies a sorted input, so prompt lookup's proposals are accepted in runs; a
     reversal mixes in plain rows."""
-    from hetero_infer.demo import format_prompt
+    from hetero_infer.demo.task import format_prompt
 
     q = [
         format_prompt("sort: a b c d e f g h"),

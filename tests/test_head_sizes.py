@@ -7,8 +7,10 @@ import os
 import warnings
 import pytest
 import torch
-from hetero_infer.core import EngineConfig
-from hetero_infer.model import ModelConfig, ModelRunner, attention_backend_for
+from hetero_infer.core.config import EngineConfig
+from hetero_infer.model.layers import ModelConfig
+from hetero_infer.model.runner import ModelRunner
+from hetero_infer.model.loading import attention_backend_for
 from hetero_infer.testing import tiny_hf_checkpoint
 from test_model import paged_logits
 

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the attention kernels for the GPUs readers have (sm_75 T4 ...
 sm_90 H100), without a GPU.
 
-Every specialization the engine can launch (hetero_infer.kernel_resources.launch_specs) must
+Every specialization the engine can launch (`launch_specs`, hetero_infer.attention.triton) must
 compile for its target, fit that GPU's shared memory per block and spill no registers. Compiles run
 in worker processes without TRITON_INTERPRET; Triton's own content-addressed cache makes a rerun
 with unchanged kernels fast."""
@@ -11,20 +11,19 @@ import os
 import textwrap
 import pytest
 import torch
-from hetero_infer import kernels
-from hetero_infer import quant_kernels
-from hetero_infer.kernel_resources import (
+import hetero_infer.attention.triton.backend as kernels
+import hetero_infer.quant.kernels as quant_kernels
+from hetero_infer.attention.triton.targets import (
     ARCHS,
     ATTENTION_KERNELS,
     KERNEL_MODULES,
     KERNELS,
     KernelSpec,
-    compile_report,
     gemm_specs,
     kernel_specs,
     launch_specs,
-    report_problems,
 )
+from hetero_infer.attention.triton.resources import compile_report, report_problems
 
 
 def test_every_specialization_compiles_fits_and_does_not_spill():

@@ -1,5 +1,5 @@
-"""Sweeps for the Triton paged-attention kernels (hetero_infer.kernels) against an fp64 reference
-and the torch backend.
+"""Sweeps for the Triton paged-attention kernels (hetero_infer.attention.triton) against an fp64
+reference and the torch backend.
 
 On a machine without a GPU the kernels run in Triton's interpreter (conftest sets
 TRITON_INTERPRET=1), which costs ~0.1-0.5 s a call, so the dtype x head_dim x GQA x block-size
@@ -15,20 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
-from hetero_infer.attention import (
+from hetero_infer.attention.backend import (
     AttentionMetadata,
     TorchAttentionBackend,
     get_attention_backend,
-    write_kv,
 )
-from hetero_infer.kernels import (
-    TritonAttentionBackend,
-    decode_bytes,
+from hetero_infer.attention.torch_ref import write_kv
+from hetero_infer.attention.triton.backend import TritonAttentionBackend, decode_bytes
+from hetero_infer.attention.triton.decode import (
     num_decode_splits,
     triton_paged_decode_attention,
-    triton_paged_prefill_attention,
     triton_write_kv,
 )
+from hetero_infer.attention.triton.prefill import triton_paged_prefill_attention
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -305,7 +304,8 @@ def test_import_needs_no_gpu_and_no_interpreter():
         [
             sys.executable,
             "-c",
-            "import hetero_infer.kernels as k; print(k.TritonAttentionBackend.name)",
+            "import hetero_infer.attention.triton.backend as k; "
+            "print(k.TritonAttentionBackend.name)",
         ],
         env=env,
         capture_output=True,
@@ -348,7 +348,7 @@ def test_fp8_write_rounds_like_torch_everywhere():
 
 
 def test_fp8_cache_needs_sm89_on_cuda(monkeypatch):
-    from hetero_infer import kernels
+    import hetero_infer.attention.triton.backend as kernels
 
     monkeypatch.setattr(kernels, "_capability", lambda device: (8, 0))
     why = kernels.triton_unsupported(64, torch.float16, "cuda", FP8)

@@ -7,9 +7,11 @@ lost or leaked on the device or in either host pool) after every step."""
 import pytest
 import torch
 
-from hetero_infer.core import EngineConfig, SamplingParams, SequenceStatus
-from hetero_infer.engine import LLMEngine
-from hetero_infer.kv_offload import kv_audit
+from hetero_infer.core.config import EngineConfig
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.core.sequence import SequenceStatus
+from hetero_infer.engine.llm_engine import LLMEngine
+from hetero_infer.kv_offload.tier import kv_audit
 from hetero_infer.testing import tiny_hf_checkpoint
 
 CPU = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128)
@@ -244,7 +246,7 @@ def test_offloading_needs_prefix_caching(tiny_path):
 
 def test_metrics_show_the_host_tier(tiny_path):
     from types import SimpleNamespace
-    from hetero_infer.server_metrics import ServerMetrics
+    from hetero_infer.server.metrics import ServerMetrics
 
     eng = engine(
         tiny_path,
@@ -287,7 +289,7 @@ def test_metrics_show_the_host_tier(tiny_path):
 )
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_cli_refuses_bad_values_naming_the_flag(capsys, command, argv, flag):
-    from hetero_infer.cli import main
+    from hetero_infer.cli.main import main
 
     args = {"generate": ["generate", "x"], "serve": ["serve"], "bench": ["bench", "offline"]}[
         command
@@ -301,7 +303,8 @@ def test_cli_refuses_bad_values_naming_the_flag(capsys, command, argv, flag):
 
 
 def test_cli_flags_reach_the_engine_config():
-    from hetero_infer.cli import build_parser, engine_config
+    from hetero_infer.cli.flags import build_parser
+    from hetero_infer.cli.config import engine_config
 
     argv = ["generate", "x", "--preemption-mode", "swap", "--swap-space", "2"]
     args = build_parser().parse_args(argv + ["--kv-offloading-size", "0.5"])
@@ -333,7 +336,7 @@ def test_swap_with_speculative_decoding_keeps_the_tokens(tiny_path):
 
 
 def test_llm_takes_vllm_names(tiny_path):
-    from hetero_infer.engine import LLM
+    from hetero_infer.engine.llm import LLM
 
     llm = LLM(str(tiny_path), **CPU, preemption_mode="swap", swap_space=0.001)
     assert llm.engine.kv_tier.swap.num_blocks == int(0.001 * 2**30 // BLOCK_BYTES)

@@ -8,16 +8,12 @@ import random
 from types import SimpleNamespace as NS
 import pytest
 import torch
-from hetero_infer.attention import AttentionMetadata, get_attention_backend
-from hetero_infer.core import DTYPE_ALIASES, EngineConfig, Sequence
-from hetero_infer.model import (
-    ModelRunner,
-    checkpoint_files,
-    dtype_name,
-    load_model,
-    parse_config,
-    rope_inv_freq,
-)
+from hetero_infer.attention.backend import AttentionMetadata, get_attention_backend
+from hetero_infer.core.config import DTYPE_ALIASES, EngineConfig
+from hetero_infer.core.sequence import Sequence
+from hetero_infer.model.runner import ModelRunner
+from hetero_infer.model.loading import checkpoint_files, dtype_name, load_model, parse_config
+from hetero_infer.model.layers import rope_inv_freq
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 
 import transformers
@@ -504,7 +500,7 @@ def test_missing_and_unexpected_weights(tmp_path):
 def test_with_block_manager_fork_and_prefix_cache(tmp_path):
     """The runner over the real BlockManager: copy-on-write after a fork, then a prefix-cache hit,
     all equal to HF."""
-    from hetero_infer.block_manager import BlockManager
+    from hetero_infer.kv_cache.block_manager import BlockManager
 
     hf = tiny_hf_checkpoint(tmp_path, "llama")
     r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=16))

@@ -1,4 +1,4 @@
-"""Mixture of experts (hetero_infer.moe, hetero_infer.moe_kernels): the router against
+"""Mixture of experts (hetero_infer.moe.layer, hetero_infer.moe.kernels): the router against
 transformers' (ties included), loop = grouped = the Triton kernel (interpreter on CPU) on awkward
 sizes, MoEBlock against transformers' Qwen3-MoE, Mixtral and Qwen2-MoE layers from a saved
 checkpoint (per-expert layout) and from a state dict (fused layout), and bad configs and
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from hetero_infer.moe import (
+from hetero_infer.moe.layer import (
     MoEBlock,
     MoEConfig,
     expert_shard,
@@ -21,7 +21,7 @@ from hetero_infer.moe import (
     route,
     sort_by_expert,
 )
-from hetero_infer.moe_kernels import align_block_size  # the kernel's input layout
+from hetero_infer.moe.kernels import align_block_size  # the kernel's input layout
 
 torch.set_num_threads(1)  # pinned: 2 shared cores
 transformers = pytest.importorskip("transformers")
@@ -120,7 +120,7 @@ def test_empty_batch():
 @pytest.mark.parametrize("T,E,k", [(1, 5, 2), (7, 6, 3), (19, 12, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_equals_loop(T, E, k, dtype):
-    from hetero_infer.moe_kernels import fused_moe
+    from hetero_infer.moe.kernels import fused_moe
 
     x, gu, dn, w, ids = _random_moe(T, E, k, seed=T, dtype=dtype)
     want = moe_loop(x.float(), gu.float(), dn.float(), w, ids)
@@ -286,7 +286,7 @@ def test_held_slice_skips_other_experts():
 
 
 def test_method_choice_and_the_sm75_refusal():
-    from hetero_infer.moe import moe_method
+    from hetero_infer.moe.layer import moe_method
 
     assert moe_method("auto", "cpu") == "grouped"  # one token: the loop of matmuls
     assert moe_method("auto", "cpu", num_tokens=16) == "grouped_mm"

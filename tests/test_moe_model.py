@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from hetero_infer.core import SamplingParams
-from hetero_infer.engine import LLM
-from hetero_infer.model import load_model
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.engine.llm import LLM
+from hetero_infer.model.loading import load_model
 from hetero_infer.testing import MOE_TEST_FAMILIES, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 

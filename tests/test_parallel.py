@@ -12,8 +12,8 @@ import subprocess
 import sys
 import time
 import pytest
-from hetero_infer.core import SamplingParams
-from hetero_infer.engine import LLM, EngineStepError
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.engine.llm import LLM, EngineStepError
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 
@@ -114,7 +114,7 @@ def test_moe_tp2_ep_with_chunked_prefill_prefix_caching_and_preemption(tmp_path)
 def _all_to_all_rank(rank, world, init):
     "One rank: the all-to-all MoE of its own tokens equals the whole layer and the replicated one."
     import torch.distributed as dist
-    from hetero_infer.parallel import init_group
+    from hetero_infer.parallel.runner import init_group
 
     init_group(rank, world, init, "cpu", timeout=30)
     for family in ("qwen3_moe", "qwen2_moe"):  # without and with a shared expert
@@ -125,9 +125,9 @@ def _all_to_all_rank(rank, world, init):
 
 def _all_to_all_check(rank, world, family):
     import torch
-    from hetero_infer.moe import MoEBlock, MoEConfig, expert_shard
-    from hetero_infer.parallel import all_reduce, moe_all_to_all
-    from hetero_infer.tp_shards import COMM_BYTES
+    from hetero_infer.moe.layer import MoEBlock, MoEConfig, expert_shard
+    from hetero_infer.parallel.shards import all_reduce, moe_all_to_all
+    from hetero_infer.parallel.shards import COMM_BYTES
 
     torch.manual_seed(0)  # the same weights on every rank
     shared = 24 if family == "qwen2_moe" else 0
@@ -153,7 +153,7 @@ def _all_to_all_check(rank, world, family):
 
 def test_all_to_all_dispatch_equals_the_replicated_form():
     import torch.multiprocessing as mp
-    from hetero_infer.parallel import _free_port
+    from hetero_infer.parallel.runner import _free_port
 
     init = f"tcp://127.0.0.1:{_free_port()}"
     mp.spawn(_all_to_all_rank, args=(2, init), nprocs=2, join=True)
@@ -403,7 +403,7 @@ def test_code_from_stdin_is_refused_at_once():
     t = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-"],
-        input='from hetero_infer.engine import LLM\nLLM(device="cpu", tensor_parallel_size=2)\n',
+        input='from hetero_infer import LLM\nLLM(device="cpu", tensor_parallel_size=2)\n',
         capture_output=True,
         text=True,
         timeout=120,

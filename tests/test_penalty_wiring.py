@@ -9,9 +9,11 @@ sampler goes back to the from-scratch path."""
 import pytest
 import torch
 
-from hetero_infer import sampler as sampler_mod
-from hetero_infer.core import Sequence, SamplingParams
-from hetero_infer.sampler import PenaltyCounts, Sampler, apply_penalties, seen_tokens
+import hetero_infer.sample.sampler as sampler_mod
+from hetero_infer.core.sequence import Sequence
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.sample.penalties import PenaltyCounts, apply_penalties, seen_tokens
+from hetero_infer.sample.sampler import Sampler
 
 V = 50
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)

@@ -129,7 +129,7 @@ def test_readme_claims_only_what_exists():
     """The README shows working commands of sub-commands that exist, serves what the server does,
     maps every notebook (and only notebooks that exist, each with the module it exports), and
     promises nothing as still to come."""
-    from hetero_infer.cli import build_parser, seed_argv
+    from hetero_infer.cli.flags import build_parser, seed_argv
 
     readme = (root / "README.md").read_text()
     assert "hetero-infer generate --chat" in readme and "source .venv/bin/activate" in readme

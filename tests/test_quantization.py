@@ -1,4 +1,4 @@
-"""Quantization (hetero_infer.quantization, hetero_infer.quant_kernels): round-trip error bounds,
+"""Quantization (hetero_infer.quant.quantize, hetero_infer.quant.kernels): round-trip error bounds,
 the CPU int8 paths and the Triton kernel (interpreter on CPU) against a dequantized reference,
 W8A8's recorded fallback, fp8 KV helpers, and refusals naming the field."""
 
@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from hetero_infer.int8_matmul import quantize_activations
-from hetero_infer.quantization import (
+from hetero_infer.quant.int8_matmul import quantize_activations
+from hetero_infer.quant.quantize import (
     FP8_DTYPE,
     FP8_MAX,
     GRANULARITIES,
@@ -17,16 +17,14 @@ from hetero_infer.quantization import (
     check_quantization,
     dequantize_fp8,
     dequantize_int8,
-    fbgemm_available,
-    int8_weight_matmul,
     kv_blocks_at_equal_memory,
     module_bytes,
     quantize_fp8,
     quantize_int8,
     quantize_model,
     resolve_kv_cache_dtype,
-    w8a8_matmul,
 )
+from hetero_infer.quant.int8_matmul import fbgemm_available, int8_weight_matmul, w8a8_matmul
 
 torch.set_num_threads(1)  # pinned: 2 shared cores
 
@@ -111,7 +109,7 @@ def test_w8a8_matmul_close(M):
 @pytest.mark.parametrize("M,K,N", [(1, 40, 70), (5, 100, 37), (19, 72, 130), (16, 64, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_int8_matmul_interpreter(M, K, N, dtype):
-    from hetero_infer.quant_kernels import triton_int8_matmul
+    from hetero_infer.quant.kernels import triton_int8_matmul
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(K)
@@ -315,8 +313,8 @@ def tiny(tmp_path_factory):
 
 
 def _greedy(path, n=4, max_tokens=12, **kw):
-    from hetero_infer.core import SamplingParams
-    from hetero_infer.engine import LLM
+    from hetero_infer.core.sampling_params import SamplingParams
+    from hetero_infer.engine.llm import LLM
 
     llm = LLM(path, seed=0, **kw)
     prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(n)]
@@ -330,7 +328,7 @@ def _greedy(path, n=4, max_tokens=12, **kw):
 def test_llm_quantized_agrees_with_float(tiny, kw, caplog):
     """The first greedy token of 16 prompts of a tiny random model agrees with unquantized on >= 15
     (a random model's logits are flat: once one token differs, the rest of the text does)."""
-    caplog.set_level("INFO", logger="hetero_infer.runner")
+    caplog.set_level("INFO", logger="hetero_infer.model.runner")
     _, ref = _greedy(tiny, n=16, max_tokens=2)
     llm, got = _greedy(tiny, n=16, max_tokens=2, **kw)
     agree = sum(r[0] == g[0] for r, g in zip(ref, got))
@@ -349,8 +347,8 @@ def test_llm_quantized_agrees_with_float(tiny, kw, caplog):
 
 def test_fp8_cache_gives_4x_blocks_of_fp32_at_equal_memory(tiny):
     "On CPU the cache budget is in bytes: fp8 holds 4x the blocks of float32 (2x of bf16)."
-    from hetero_infer.core import EngineConfig
-    from hetero_infer.runner import CPU_KV_CACHE_BYTES, ModelRunner, kv_block_bytes
+    from hetero_infer.core.config import EngineConfig
+    from hetero_infer.model.runner import CPU_KV_CACHE_BYTES, ModelRunner, kv_block_bytes
 
     big = dict(model=tiny, max_num_seqs=10**5, max_model_len=64)  # the byte budget binds
     r32 = ModelRunner(EngineConfig(**big))
@@ -364,8 +362,8 @@ def test_fp8_cache_gives_4x_blocks_of_fp32_at_equal_memory(tiny):
 
 
 def test_quantization_refused_with_tensor_parallelism(tiny):
-    from hetero_infer.core import EngineConfig
-    from hetero_infer.runner import ModelRunner
+    from hetero_infer.core.config import EngineConfig
+    from hetero_infer.model.runner import ModelRunner
 
     with pytest.raises(ValueError, match="quantization='w8a8' is not supported with tensor_par"):
         ModelRunner(EngineConfig(model=tiny, quantization="w8a8", tensor_parallel_size=2))
@@ -374,7 +372,7 @@ def test_quantization_refused_with_tensor_parallelism(tiny):
 
 
 def test_bad_engine_values_name_the_field(tiny):
-    from hetero_infer.engine import LLM
+    from hetero_infer.engine.llm import LLM
 
     with pytest.raises(ValueError, match="quantization"):
         LLM(tiny, quantization="int4")
@@ -383,7 +381,7 @@ def test_bad_engine_values_name_the_field(tiny):
 
 
 def test_w8a8_fallbacks_logged_after_first_step(tiny, caplog):
-    caplog.set_level("INFO", logger="hetero_infer.runner")
+    caplog.set_level("INFO", logger="hetero_infer.model.runner")
     llm, _ = _greedy(tiny, n=1, max_tokens=2, quantization="w8a8")
     assert "layers fell back to int8" in caplog.text
     assert all(m.rel_error is not None for m in llm.engine.runner.quant_report.layers.values())
@@ -391,9 +389,9 @@ def test_w8a8_fallbacks_logged_after_first_step(tiny, caplog):
 
 def test_demo_model_under_each_mode():
     "The demo model answers >= 62 of 64 fresh held-out prompts under int8, w8a8 and fp8 KV."
-    from hetero_infer.core import SamplingParams
-    from hetero_infer.demo import check_answer, demo_prompts
-    from hetero_infer.engine import LLM
+    from hetero_infer.core.sampling_params import SamplingParams
+    from hetero_infer.demo.task import check_answer, demo_prompts
+    from hetero_infer.engine.llm import LLM
 
     prompts = demo_prompts(64, seed=4321)
     sp = SamplingParams(temperature=0, max_tokens=16)
@@ -418,7 +416,7 @@ def _write_ct(ct_source, scheme, strategy="channel"):
     "A compressed-tensors checkpoint of the tiny llama, written by the package itself."
     import contextlib
     import io
-    from hetero_infer.quant_checkpoints import write_compressed_checkpoint
+    from hetero_infer.quant.checkpoints import write_compressed_checkpoint
 
     d, src = ct_source
     path = d / f"{scheme}-{strategy}"
@@ -438,7 +436,7 @@ def test_compressed_checkpoint_equals_the_packages_decompression(ct_source, sche
     import contextlib
     import io
     from transformers import AutoModelForCausalLM
-    from hetero_infer.loading import hf_names, load_model
+    from hetero_infer.model.loading import hf_names, load_model
 
     path = _write_ct(ct_source, scheme, strategy)
     with contextlib.redirect_stderr(io.StringIO()):
@@ -499,8 +497,8 @@ def test_unloadable_quantization_config_is_refused_by_name(ct_source, tmp_path, 
     "AWQ, GPTQ, int4 packed and group-scale checkpoints fail at load, naming quantization_config."
     import json
     import shutil
-    from hetero_infer.engine import LLM
-    from hetero_infer.loading import load_model
+    from hetero_infer.engine.llm import LLM
+    from hetero_infer.model.loading import load_model
 
     shutil.copytree(_write_ct(ct_source, "w8a8"), tmp_path / "ck")
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
@@ -523,8 +521,8 @@ def test_unloadable_quantization_config_is_refused_by_name(ct_source, tmp_path, 
 
 
 def test_compressed_checkpoint_refused_with_tensor_parallelism(ct_source):
-    from hetero_infer.core import EngineConfig
-    from hetero_infer.runner import ModelRunner
+    from hetero_infer.core.config import EngineConfig
+    from hetero_infer.model.runner import ModelRunner
 
     path = _write_ct(ct_source, "w8a8")
     with pytest.raises(ValueError, match="quantization_config: a pre-quantized checkpoint is not"):
@@ -536,8 +534,8 @@ def test_compressed_checkpoint_refused_with_tensor_parallelism(ct_source):
 
 def test_bench_quantization_flags_parse_and_refuse():
     import argparse
-    from hetero_infer.bench import _speculative_config
-    from hetero_infer.bench_args import add_bench_arguments
+    from hetero_infer.bench.main import _speculative_config
+    from hetero_infer.bench.args import add_bench_arguments
 
     ap = argparse.ArgumentParser()
     add_bench_arguments(ap)
@@ -553,7 +551,7 @@ def test_bench_quantization_flags_parse_and_refuse():
 def test_bench_offline_times_quantized_against_plain(tiny, tmp_path, capsys):
     "One run: ours with int8 weights and an fp8 cache, and ours without them, in turns."
     import json
-    from hetero_infer.bench import main
+    from hetero_infer.bench.main import main
 
     out = tmp_path / "q.json"
     argv = ["offline", "--model", tiny, "--quantization", "int8", "--kv-cache-dtype", "fp8"]
@@ -573,7 +571,7 @@ def test_bench_offline_times_quantized_against_plain(tiny, tmp_path, capsys):
 def test_quantize_lm_head_option(tmp_path):
     """`quantize_lm_head=False` keeps a tied embedding/lm_head in float (one table, not two);
     the default quantizes it as one int8 table; a non-bool is refused naming the field."""
-    from hetero_infer.core import EngineConfig
+    from hetero_infer.core.config import EngineConfig
     from hetero_infer.testing import tiny_hf_checkpoint
 
     path = tmp_path / "tied"
@@ -596,8 +594,8 @@ def test_quantize_lm_head_option(tmp_path):
 
 
 def test_cli_quantize_lm_head_flag():
-    from hetero_infer.cli_config import engine_config
-    from hetero_infer.cli_flags import build_parser
+    from hetero_infer.cli.config import engine_config
+    from hetero_infer.cli.flags import build_parser
 
     p = build_parser()
     a = p.parse_args(["generate", "--quantization", "int8", "--no-quantize-lm-head", "x"])

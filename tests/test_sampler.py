@@ -1,25 +1,24 @@
-"""Property tests and dense sweeps for hetero_infer.sampler (CPU, seconds)."""
+"""Property tests and dense sweeps for hetero_infer.sample.sampler (CPU, seconds)."""
 
 import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from hetero_infer.core import Sequence, SamplingParams
-from hetero_infer.core import SequenceStatus
-from hetero_infer.sampler import (
+from hetero_infer.core.sequence import Sequence
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.core.sequence import SequenceStatus
+from hetero_infer.sample.sampler import (
     Sampler,
     apply_logit_bias,
     SamplerOutput,
-    apply_penalties,
     apply_top_k_top_p,
     sampling_probs,
-    seen_tokens,
     token_logprobs,
     exponential_race,
     row_seed,
-    PenaltyCounts,
 )
+from hetero_infer.sample.penalties import apply_penalties, seen_tokens, PenaltyCounts
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -6,9 +6,12 @@ import itertools
 import random
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
-from hetero_infer.core import EngineConfig, SamplingParams, Sequence, SequenceStatus
-from hetero_infer.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
-from hetero_infer.block_manager import BlockManager
+from hetero_infer.core.config import EngineConfig
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.core.sequence import Sequence, SequenceStatus
+from hetero_infer.scheduler.scheduler import Scheduler
+from hetero_infer.scheduler.output import ScheduledSeq, SchedulerOutput
+from hetero_infer.kv_cache.block_manager import BlockManager
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 
@@ -529,7 +532,7 @@ def test_preempted_fork_group_recomputes_sharing_its_prompt(caching):
 
 
 def test_queue_full_past_max_admitted_seqs_changes_nothing():
-    from hetero_infer.core import QueueFullError
+    from hetero_infer.core.sequence import QueueFullError
 
     sch = make_sched(max_admitted_seqs=4)
     sch.add(

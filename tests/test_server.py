@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 openai = pytest.importorskip("openai")
-from hetero_infer.demo import demo_prompts  # noqa: E402 (after the skip when openai is missing)
+from hetero_infer.demo.task import demo_prompts  # noqa: E402 (after the skip when openai is missing)
 
 KEY = "test-key"
 DEMO_MAX_LEN = 64  # the demo model's max_position_embeddings
@@ -43,7 +43,7 @@ class Server:
     def __init__(self, *args, env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        code = "import sys; from hetero_infer.cli import main; sys.exit(main(sys.argv[1:]))"
+        code = "import sys; from hetero_infer.cli.main import main; sys.exit(main(sys.argv[1:]))"
         self.log = tempfile.TemporaryFile(
             "w+"
         )  # a file, not a pipe: a chatty server can never block on a full pipe
@@ -247,7 +247,7 @@ def test_completions_shapes_and_batch(client, server):
 
 def test_token_id_prompts_match_text(client, server):
     import tokenizers
-    from hetero_infer.demo import DEMO_MODEL_DIR
+    from hetero_infer.core.config import DEMO_MODEL_DIR
 
     tok = tokenizers.Tokenizer.from_file(
         str(DEMO_MODEL_DIR / "tokenizer.json")
@@ -541,7 +541,7 @@ def test_n_past_max_num_seqs_names_n_without_internal_ids(server):
 
 @pytest.fixture(scope="module")
 def demo_engine():
-    from hetero_infer.engine import LLM
+    from hetero_infer.engine.llm import LLM
 
     return LLM().engine
 
@@ -550,8 +550,9 @@ def test_completions_without_max_tokens_use_the_servers_default(demo_engine):
     """`serve --max-tokens N` applies to completions that leave max_tokens out; without it they
     get OpenAI's 16; a request's own value wins."""
     from fastapi.testclient import TestClient
-    from hetero_infer.cli import build_parser, serve_options
-    from hetero_infer.server import build_app
+    from hetero_infer.cli.flags import build_parser
+    from hetero_infer.cli.config import serve_options
+    from hetero_infer.server.app import build_app
 
     body = {
         "prompt": "<|bos|><|user|>reverse: a b c<|eos|><|assistant|>",
@@ -974,7 +975,7 @@ def test_readme_serve_examples_work_as_written():
         else [
             sys.executable,
             "-c",
-            "import sys; from hetero_infer.cli import main; sys.exit(main())",
+            "import sys; from hetero_infer.cli.main import main; sys.exit(main())",
         ]
     ) + argv[1:]
     log = tempfile.TemporaryFile("w+")
@@ -1083,8 +1084,8 @@ def test_unimplemented_fields_are_refused_by_name(server, client):
 def test_logit_bias_is_honoured_and_checked(server):
     """logit_bias moves the greedy choice (+100 forces a token, -100 forbids one); bad keys,
     values and ids are 400s naming logit_bias."""
-    from hetero_infer.core import DEMO_MODEL_DIR
-    from hetero_infer.tokenization import load_tokenizer
+    from hetero_infer.core.config import DEMO_MODEL_DIR
+    from hetero_infer.engine.tokenization import load_tokenizer
 
     tok = load_tokenizer(DEMO_MODEL_DIR)
     body = {"prompt": P, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -1156,7 +1157,7 @@ def test_cors_preflight_and_headers(server):
 
 def in_thread(app):
     "A real uvicorn server on a free port, in this process; yields its URL."
-    from hetero_infer.server import serve_in_thread
+    from hetero_infer.server.serve import serve_in_thread
 
     srv, url = serve_in_thread(app)
     try:
@@ -1167,8 +1168,8 @@ def in_thread(app):
 
 
 def test_allowed_origins_limit_cors():
-    from hetero_infer.engine import LLMEngine
-    from hetero_infer.server import build_app
+    from hetero_infer.engine.llm_engine import LLMEngine
+    from hetero_infer.server.app import build_app
 
     app = build_app(LLMEngine(), allowed_origins=["https://app.example"], allowed_methods=["POST"])
     for url in in_thread(app):
@@ -1193,9 +1194,9 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def template_url(tmp_path_factory):
     "The demo model, with a template that takes a `hint` and refuses a late system message."
-    from hetero_infer.core import DEMO_MODEL_DIR
-    from hetero_infer.engine import LLMEngine
-    from hetero_infer.server import build_app
+    from hetero_infer.core.config import DEMO_MODEL_DIR
+    from hetero_infer.engine.llm_engine import LLMEngine
+    from hetero_infer.server.app import build_app
 
     path = tmp_path_factory.mktemp("template") / "m"
     shutil.copytree(DEMO_MODEL_DIR, path)
@@ -1231,7 +1232,7 @@ def test_a_template_that_refuses_the_conversation_is_a_400(template_url):
 
 def test_port_0_banner_names_the_bound_port():
     "`serve --port 0` prints the port the system chose, and the server answers there."
-    code = "import sys; from hetero_infer.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from hetero_infer.cli.main import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "serve", "--port", "0", "--log-level", "warning"],
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -5,13 +5,15 @@ distribution); blocks all come back, and the prefix cache holds only KV of accep
 
 import pytest
 import torch
-from hetero_infer.core import EngineConfig, SamplingParams
-from hetero_infer.engine import LLM
+from hetero_infer.core.config import EngineConfig
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.engine.llm import LLM
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
-from hetero_infer.sampler import Sampler, sampling_probs
-from hetero_infer.core import Sequence
-from hetero_infer.speculative import ngram_propose, truncated_draft
-from hetero_infer.demo import DEMO_MODEL_DIR, format_prompt
+from hetero_infer.sample.sampler import Sampler, sampling_probs
+from hetero_infer.core.sequence import Sequence
+from hetero_infer.spec_decode.proposers import ngram_propose, truncated_draft
+from hetero_infer.core.config import DEMO_MODEL_DIR
+from hetero_infer.demo.task import format_prompt
 
 CPU = dict(device="cpu", dtype="float32", block_size=8)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)

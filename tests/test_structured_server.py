@@ -79,10 +79,10 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    from hetero_infer.api_server import build_app
-    from hetero_infer.core import EngineConfig
-    from hetero_infer.engine import LLMEngine
-    from hetero_infer.server import serve_in_thread
+    from hetero_infer.server.app import build_app
+    from hetero_infer.core.config import EngineConfig
+    from hetero_infer.engine.llm_engine import LLMEngine
+    from hetero_infer.server.serve import serve_in_thread
 
     path = model_path
     engine = LLMEngine(EngineConfig(model=path, max_num_seqs=32, max_model_len=512, seed=0))
@@ -182,8 +182,8 @@ def test_multi_turn_tool_messages_render(model_path, client):
     "An assistant's tool_calls (arguments as JSON text) and the tool's answer go back through."
     from transformers import AutoTokenizer
 
-    from hetero_infer.openai_handlers import _chat_ids
-    from hetero_infer.openai_protocol import ChatCompletionRequest
+    from hetero_infer.server.handlers import _chat_ids
+    from hetero_infer.server.protocol import ChatCompletionRequest
 
     call = {"id": "c1", "type": "function"}
     call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}

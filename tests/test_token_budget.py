@@ -4,9 +4,11 @@ on and off."""
 
 import itertools
 import pytest
-from hetero_infer.core import EngineConfig, SamplingParams, Sequence, SequenceStatus
-from hetero_infer.scheduler import Scheduler
-from hetero_infer.block_manager import BlockManager
+from hetero_infer.core.config import EngineConfig
+from hetero_infer.core.sampling_params import SamplingParams
+from hetero_infer.core.sequence import Sequence, SequenceStatus
+from hetero_infer.scheduler.scheduler import Scheduler
+from hetero_infer.kv_cache.block_manager import BlockManager
 
 _ids = itertools.count(1000)
 

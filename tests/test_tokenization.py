@@ -7,8 +7,8 @@ import copy
 
 import pytest
 
-from hetero_infer.core import DEMO_MODEL_DIR
-from hetero_infer.tokenization import (
+from hetero_infer.core.config import DEMO_MODEL_DIR
+from hetero_infer.engine.tokenization import (
     CHAT_ROLES,
     check_text,
     find_stop_string,
