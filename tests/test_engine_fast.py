@@ -425,10 +425,9 @@ def test_generate_leaves_the_engine_streaming(tiny_path):
 
 def test_generate_builds_only_the_finished_outputs(tiny_path, monkeypatch):
     llm, built = tiny(tiny_path), []
-    real = LLMEngine._output
-    monkeypatch.setattr(
-        LLMEngine, "_output", lambda self, req: built.append(req.request_id) or real(self, req)
-    )
+    out = llm.engine.output
+    real = out.output
+    monkeypatch.setattr(out, "output", lambda req: built.append(req.request_id) or real(req))
     llm.generate([P6, P6[:3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert sorted(built) == ["gen-0", "gen-1"]
 
@@ -748,14 +747,21 @@ def test_a_bad_prompt_leaves_nothing_of_its_call_behind(tiny_path):
     assert [o.request_id for o in eng.step()] == ["other"] and not eng.has_unfinished_requests()
 
 
-def test_close_closes_a_runner_that_can_be_closed(tiny_path):
+def test_close_runs_every_plugins_close_hook(tiny_path):
+    from hetero_infer.engine.plugins import EnginePlugin
+
+    class Closing(EnginePlugin):
+        closed = 0
+
+        def close(self, engine):
+            self.closed += 1
+
     llm = tiny(tiny_path)
-    llm.close()  # a single-process runner: nothing to do
-    runner = types.SimpleNamespace(closed=0)
-    runner.close = lambda: setattr(runner, "closed", runner.closed + 1)
-    llm.engine.runner = runner
+    llm.close()  # a single-process engine with nothing plugged in: nothing to do
+    a, b = Closing(), Closing()
+    llm.engine.plugins += [a, b]
     llm.close()
-    assert runner.closed == 1
+    assert (a.closed, b.closed) == (1, 1)
 
 
 class Bar:

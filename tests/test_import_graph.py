@@ -5,6 +5,8 @@ Every `import` counts, at module level or inside a function (a lazy import is st
 dependency)."""
 
 import ast
+import json
+import re
 from pathlib import Path
 
 root = Path(__file__).resolve().parent.parent
@@ -141,3 +143,83 @@ def test_the_engine_imports_neither_speculation_nor_parallelism():
 def test_reachable():
     assert reachable({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, "a") == {"a", "b", "c"}
     assert reachable({"a": set()}, "a") == set()
+
+
+# ---- the book's order is the import order
+
+
+def _chapter_of_modules() -> dict[str, str]:
+    "module -> the notebook (chapter) that exports it, from nbdev's header in each module."
+    out = {}
+    for name, path in _modules().items():
+        m = re.search(r"File to edit: (?:\.\./)+nbs/(\w+)\.ipynb", path.read_text()[:600])
+        if m:
+            out[name] = m[1]
+    return out
+
+
+def _notebook_imports(nb: Path, mods: dict) -> set[str]:
+    "The package modules a notebook's code cells import."
+    deps = set()
+    for cell in json.loads(nb.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "".join(cell["source"])
+        for m in re.finditer(r"(?:from|import)\s+hetero_infer\.([\w.]+)", src):
+            deps.add(_resolve(m[1], mods))
+    return deps - {"__init__"}
+
+
+def later_imports() -> list[str]:
+    """Every import of a later chapter: by a module of an earlier chapter (at the top or inside
+    a function), or by an earlier chapter's notebook. The package's `__init__` imports them all."""
+    chap, mods, found = _chapter_of_modules(), _modules(), []
+    for mod, deps in import_graph().items():
+        if mod == "__init__" or mod not in chap:
+            continue
+        later = [d for d in deps if chap.get(d, "") > chap[mod]]
+        found += [f"{mod} ({chap[mod]}) imports {d} ({chap[d]})" for d in later]
+    for nb in sorted((root / "nbs").glob("[0-9]*.ipynb")):
+        for d in _notebook_imports(nb, mods):
+            if chap.get(d, "") > nb.stem:
+                found.append(f"notebook {nb.stem} imports {d} ({chap[d]})")
+    return found
+
+
+def test_no_module_or_notebook_imports_a_later_chapter():
+    found = later_imports()
+    assert not found, "\n".join(found)
+
+
+def test_no_unused_import_is_excused_outside_the_package_root():
+    "`noqa: F401` (an import kept only to re-export it) appears in `__init__.py` alone."
+    hits = [
+        f"{name}: {line.strip()}"
+        for name, path in _modules().items()
+        for line in path.read_text().splitlines()
+        if "noqa: F401" in line
+    ]
+    assert not hits, "\n".join(hits)
+
+
+def only_reexports(src: str) -> bool:
+    "Whether a module's code is nothing but imports (and `__all__`): a re-export shim."
+    body = [n for n in ast.parse(src).body if not isinstance(n, ast.Expr)]  # docstrings
+    assigns_all = lambda n: (
+        isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+    )
+    return bool(body) and all(
+        isinstance(n, (ast.Import, ast.ImportFrom)) or assigns_all(n) for n in body
+    )
+
+
+def test_no_module_only_reexports():
+    shims = [name for name, path in _modules().items() if only_reexports(path.read_text())]
+    assert not shims, shims
+
+
+def test_the_checks_catch_what_they_should():
+    assert only_reexports('"""doc"""\nfrom .a import b\n__all__ = ["b"]\n')
+    assert not only_reexports("from .a import b\n\n\ndef f():\n    return b\n")
+    assert not only_reexports('"""only a docstring"""\n')

@@ -65,3 +65,52 @@ def test_chapter_opens_and_closes(nb):
 @pytest.mark.parametrize("nb", CHAPTERS)
 def test_every_export_has_a_test_under_it(nb):
     assert untested_exports(nb) == []
+
+
+# ---- what a reader can follow: short cells, and the engine explained rather than its making
+
+MAX_CELL_LINES = 100
+# words that tell the story of the work instead of explaining the engine
+HISTORY = re.compile(
+    r"(?i)\bissue\s*#?\d+|\bthis session\b|\bphase\s+\d\b|\bolder imports?\b|old import paths?"
+)
+
+
+def long_cells(nb: str) -> list[str]:
+    "Code cells over MAX_CELL_LINES lines."
+    code = [c["source"] for c in _cells(nb) if c["cell_type"] == "code"]
+    return [
+        f"{nb}: code cell {i} has {n} lines"
+        for i, src in enumerate(code)
+        if (n := len(src.splitlines())) > MAX_CELL_LINES
+    ]
+
+
+def history_words(text: str, where: str) -> list[str]:
+    "Each phrase of `text` that tells the project's history, with where it is."
+    return [f"{where}: {m[0]!r}" for m in HISTORY.finditer(text)]
+
+
+@pytest.mark.parametrize("nb", CHAPTERS)
+def test_no_code_cell_is_longer_than_a_screen(nb):
+    assert long_cells(nb) == []
+
+
+def test_the_book_explains_the_engine_not_its_making():
+    "No issue numbers, sessions, phases or old import paths in the notebooks, library or README."
+    found = []
+    for nb in sorted((root / "nbs").glob("*.ipynb")):
+        found += history_words("\n".join(c["source"] for c in _cells(nb.name)), nb.name)
+    for py in sorted((root / "hetero_infer").rglob("*.py")):
+        found += history_words(py.read_text(), str(py.relative_to(root)))
+    found += history_words((root / "README.md").read_text(), "README.md")
+    assert found == [], "\n".join(found)
+
+
+def test_the_checks_catch_what_they_should():
+    assert history_words("fixed in issue 23; this session; phase 2", "x") == [
+        "x: 'issue 23'",
+        "x: 'this session'",
+        "x: 'phase 2'",
+    ]
+    assert history_words("the scheduler issues 3 tokens in phase with the step", "x") == []

@@ -181,17 +181,18 @@ class LLM:
         "Step until this call's requests are done (outputs built only for finished requests)."
         done, t0, n_in, n_out = {}, time.perf_counter(), 0, 0
         self.engine.stream_outputs = False  # nobody reads partial outputs here
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        opts = dict(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                for o in (o for o in self.engine.step() if o.finished):
-                    done[o.request_id] = o
-                    bar.update(1)
-                    n_in += len(o.prompt_token_ids)
-                    n_out += sum(len(c.token_ids) for c in o.outputs)
-                    dt = time.perf_counter() - t0
-                    bar.set_postfix_str(f"input: {n_in / dt:.0f}, output: {n_out / dt:.0f} toks/s")
+            with tqdm(**opts, disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for o in (o for o in self.engine.step() if o.finished):
+                        done[o.request_id] = o
+                        bar.update(1)
+                        n_in += len(o.prompt_token_ids)
+                        n_out += sum(len(c.token_ids) for c in o.outputs)
+                        dt = time.perf_counter() - t0
+                        rates = f"input: {n_in / dt:.0f} toks/s, output: {n_out / dt:.0f} toks/s"
+                        bar.set_postfix_str(rates)
         finally:
             self.engine.stream_outputs = True
-            bar.close()
         return [done[i] for i in ids]

@@ -27,7 +27,40 @@ from ..scheduler.output import SchedulerOutput
 from ..scheduler.scheduler import Scheduler
 
 # %% auto #0
-__all__ = ["LLMEngine", "check_request", "core_stats", "RowPlan", "plan_forks", "sample_step"]
+__all__ = ["check_request", "core_stats", "LLMEngine", "RowPlan", "plan_forks", "sample_step"]
+
+
+# %% ../../nbs/07_engine.ipynb #f244e1c4
+def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int) -> None:
+    "Refuse a request before anything changes: a bad prompt or `logit_bias` id, too long a prompt."
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+    bias = params.logit_bias or {}
+    if bias and max(bias) >= vocab:
+        raise ValueError(f"logit_bias: token id {max(bias)} is outside the vocabulary [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt is {len(ids)} tokens, but max_model_len is {max_model_len} "
+            "(prompt + at least one generated token must fit)"
+        )
+
+
+def core_stats(engine: LLMEngine) -> dict:
+    "The core's counters since start, the queues, and the KV cache's use."
+    bs, sch = engine.block_manager.stats, engine.scheduler
+    return {
+        **engine.counters,
+        "running": len(sch.running),
+        "waiting": len(sch.waiting),
+        "kv_usage": engine.block_manager.usage(),
+        "num_blocks": engine.config.num_blocks,
+        "preemptions": sch.stats.preemptions,
+        "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
+    }
 
 
 # %% ../../nbs/07_engine.ipynb #703ef4cf
@@ -130,39 +163,6 @@ class LLMEngine:
     def stats(self) -> dict:
         "Counters since start, the queues, KV-cache usage, and each plugin's own counters."
         return core_stats(self) | {p.name: s for p in self.plugins if (s := p.stats(self))}
-
-
-# %% ../../nbs/07_engine.ipynb #f244e1c4
-def check_request(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int) -> None:
-    "Refuse a request before anything changes: a bad prompt or `logit_bias` id, too long a prompt."
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-    if not ids:
-        raise ValueError("prompt must not be empty")
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-    bias = params.logit_bias or {}
-    if bias and max(bias) >= vocab:
-        raise ValueError(f"logit_bias: token id {max(bias)} is outside the vocabulary [0, {vocab})")
-    if len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt is {len(ids)} tokens, but max_model_len is {max_model_len} "
-            "(prompt + at least one generated token must fit)"
-        )
-
-
-def core_stats(engine: LLMEngine) -> dict:
-    "The core's counters since start, the queues, and the KV cache's use."
-    bs, sch = engine.block_manager.stats, engine.scheduler
-    return {
-        **engine.counters,
-        "running": len(sch.running),
-        "waiting": len(sch.waiting),
-        "kv_usage": engine.block_manager.usage(),
-        "num_blocks": engine.config.num_blocks,
-        "preemptions": sch.stats.preemptions,
-        "prefix_cache": {**dataclasses.asdict(bs), "hit_rate": bs.hit_rate},
-    }
 
 
 # %% ../../nbs/07_engine.ipynb #75e00144
