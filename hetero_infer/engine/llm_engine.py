@@ -187,7 +187,7 @@ class RowPlan:
                     plan.single.append(len(plan.rows))
                     plan.rows.append(r)
                     plan.prefixes.append((seq, len(s.token_ids)))
-            elif L > 1:  # a plugin's entry (speculation: k proposals, k + 1 rows)
+            elif L > 1:  # a plugin's entry: several rows, one per token it checks
                 plan.multi += range(len(plan.rows), len(plan.rows) + L)
                 plan.multi_seqs.append(s)
                 plan.rows += range(r, r + L)

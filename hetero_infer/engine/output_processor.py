@@ -80,7 +80,7 @@ class OutputProcessor:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
         status, reason = req.append(seq, token, lp, top, eng.eos_token_ids)
-        for plugin in eng.plugins:  # every plugin sees every token (a grammar advances)
+        for plugin in eng.plugins:  # every plugin sees every token
             done = plugin.check_stop(eng, seq, token)
             status = status or done
         if status is None and p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
