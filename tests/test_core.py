@@ -7,7 +7,7 @@ import pytest
 import hetero_infer
 from hetero_infer.core.config import EngineConfig, ServingConfig
 from hetero_infer.core.sampling_params import SamplingParams
-from hetero_infer.core.sequence import SequenceStatus, QueueFullError
+from hetero_infer.core.sequence import QueueFullError, Sequence, SequenceStatus
 from hetero_infer.core.outputs import CompletionOutput, RequestOutput
 from hetero_infer.core.hpi_config import is_hpi_format
 
@@ -407,9 +407,7 @@ def test_min_tokens_at_most_max_tokens():
     SamplingParams(min_tokens=4, max_tokens=4)
 
 
-# --- exact messages and normalizations (from a full mutation run of core)
-
-from hetero_infer.core.sequence import Sequence  # noqa: E402
+# --- exact messages and normalizations
 
 # (what is built, its arguments, the exception, its message): every message names the field, the
 # rule and the value.

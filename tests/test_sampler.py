@@ -586,7 +586,7 @@ def test_logprobs_chosen_token_outside_top_k():
     assert math.isclose(lp[0], float(raw[4]), abs_tol=1e-6)
 
 
-# --- from the full sampler mutation run ------------------------------------------------
+# --- edges of the sampler, each pinned exactly -------------------------------------------------
 
 
 def splitmix64_reference(x: int) -> int:
