@@ -184,6 +184,6 @@ def test_train_log_is_shipped_and_describes_a_falling_loss():
 
 @pytest.mark.parametrize("n", [0, -1, 2.5, True, None])
 def test_run_demo_refuses_a_count_that_is_not_a_positive_integer(n):
-    "Issue 29 item 10: no ZeroDivisionError, no 'accuracy 0/-1'; refused before loading a model."
+    "No ZeroDivisionError, no 'accuracy 0/-1': refused before loading a model."
     with pytest.raises(ValueError, match=r"n \(prompts to answer\) must be an integer >= 1"):
         run_demo(n=n)

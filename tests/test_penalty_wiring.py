@@ -1,5 +1,5 @@
 """The sampler's penalties are incremental: each step reads only the tokens appended since the last
-one (issue 10, item 7).
+one.
 
 `Sampler.adjust_logits` keeps a `PenaltyCounts` on the sampler and brings it up to date with each
 step's new tokens; rebuilding the counts from the Python token lists (`seen_tokens` over every
@@ -9,10 +9,10 @@ sampler goes back to the from-scratch path."""
 import pytest
 import torch
 
-import hetero_infer.sample.sampler as sampler_mod
+import hetero_infer.sample.penalties as penalties_mod
 from hetero_infer.core.sequence import Sequence
 from hetero_infer.core.sampling_params import SamplingParams
-from hetero_infer.sample.penalties import PenaltyCounts, apply_penalties, seen_tokens
+from hetero_infer.sample.penalties import SeenPairs, apply_penalties, seen_tokens
 from hetero_infer.sample.sampler import Sampler
 
 V = 50
@@ -39,20 +39,20 @@ def reference(logits, seqs):
 
 @pytest.fixture
 def added(monkeypatch):
-    """Record the (row, token) occurrences each `PenaltyCounts._add` call counts; the from-scratch
+    """Record the (row, token) occurrences each `SeenPairs.add` call counts; the from-scratch
     `seen_tokens` raises."""
-    calls, add = [], PenaltyCounts._add
+    calls, add = [], SeenPairs.add
 
     def spy(self, rows, toks, weights):
         calls.append(list(zip(rows, toks)))
         return add(self, rows, toks, weights)
 
-    monkeypatch.setattr(PenaltyCounts, "_add", spy)
+    monkeypatch.setattr(SeenPairs, "add", spy)
 
     def from_scratch(*a, **k):
         raise AssertionError("adjust_logits rebuilt the penalty counts from the token lists")
 
-    monkeypatch.setattr(sampler_mod, "seen_tokens", from_scratch)
+    monkeypatch.setattr(penalties_mod, "seen_tokens", from_scratch)
     return calls
 
 

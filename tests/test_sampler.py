@@ -361,7 +361,7 @@ def test_penalty_counts_reclaim_rows_of_finished_sequences():
         s.status = SequenceStatus.FINISHED_STOPPED
     more = [seq([10 + i], seq_id=10 + i, repetition_penalty=1.2) for i in range(2)]
     pc.update(more)
-    assert len(pc.owner) == 2 and pc.n == 2  # rows reused, old pairs dropped
+    assert len(pc.owner) == 2 and pc.seen.n == 2  # rows reused, old pairs dropped
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -586,7 +586,7 @@ def test_logprobs_chosen_token_outside_top_k():
     assert math.isclose(lp[0], float(raw[4]), abs_tol=1e-6)
 
 
-# --- from the full sampler mutation run (issue 18) ------------------------------------------------
+# --- edges of the sampler, each pinned exactly -------------------------------------------------
 
 
 def splitmix64_reference(x: int) -> int:
@@ -779,7 +779,7 @@ def test_chosen_token_tied_with_the_top_has_rank_one():
     )
 
 
-# --- logit_bias (issue 29 item 2) -----------------------------------------------------------------
+# --- logit_bias -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
@@ -887,6 +887,6 @@ def test_penalty_counts_grow_when_every_row_is_taken():
     pc = PenaltyCounts(6, rows=1)
     a, b = seq([1], [2]), seq([3], [4, 4])
     rows = pc.update([a, b])
-    assert len(pc.owner) == 2 and tuple(pc.pair_of.shape) == (2, 6)
+    assert len(pc.owner) == 2 and tuple(pc.seen.pair_of.shape) == (2, 6)
     got = sorted(zip(*(t.tolist() for t in pc.pairs(rows))))
     assert got == [(0, 1, 0.0), (0, 2, 1.0), (1, 3, 0.0), (1, 4, 2.0)]

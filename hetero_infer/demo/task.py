@@ -9,7 +9,6 @@ import re
 import time
 import zlib
 from pathlib import Path
-from ..core.config import DEMO_MODEL_DIR
 
 # %% auto #0
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "demo_prompts",
     "question_of",
     "run_demo",
-    "DEMO_MODEL_DIR",
 ]
 
 # %% ../../nbs/08_demo_model.ipynb #184f43a2
@@ -98,12 +96,6 @@ def demo_prompts(n: int = 16, seed: int = 1234) -> list[str]:
     "`n` chat-formatted prompts drawn from the held-out strings (never seen in training)."
     rng = random.Random(seed)
     return [format_prompt(make_example(rng, held_out=True)[0]) for _ in range(n)]
-
-
-# %% ../../nbs/08_demo_model.ipynb #b713e4b9
-# DEMO_MODEL_DIR (imported at the top from core): the shipped checkpoint's folder, next to the
-# package's code; re-exported, so `from hetero_infer.demo.task import DEMO_MODEL_DIR` keeps working
-_all_ = ["DEMO_MODEL_DIR"]
 
 
 # %% ../../nbs/08_demo_model.ipynb #0f2591aa

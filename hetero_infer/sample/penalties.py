@@ -8,7 +8,7 @@ import weakref
 import torch
 
 # %% auto #0
-__all__ = ["seen_tokens", "apply_penalties", "PenaltyCounts"]
+__all__ = ["seen_tokens", "apply_penalties", "SeenPairs", "PenaltyCounts"]
 
 
 # %% ../../nbs/06_sampler.ipynb #b1ec1123
@@ -50,65 +50,24 @@ def apply_penalties(
     return x
 
 
-# %% ../../nbs/06_sampler.ipynb #56f5d175
-class PenaltyCounts:
-    "The distinct (sequence, token) pairs of tracked sequences and their output counts, on device."
+# %% ../../nbs/06_sampler.ipynb #21d19db3
+class SeenPairs:
+    "Distinct (row, token) pairs and their output counts, on device: flat buffers, a (R, V) index."
 
-    def __init__(self, vocab_size: int, device="cpu", rows: int = 8, pairs: int = 1024):
+    def __init__(self, rows: int, vocab_size: int, device="cpu", capacity: int = 1024):
         self.V, self.device = vocab_size, torch.device(device)
-        # (R, V) index of each seen pair, -1: unseen
+        # (R, V) slot of each seen pair, -1: unseen
         self.pair_of = torch.full((rows, vocab_size), -1, dtype=torch.int32, device=device)
-        self.p_row = torch.empty(pairs, dtype=torch.long, device=device)  # (cap,) row of each pair
-        self.p_tok = torch.empty(pairs, dtype=torch.long, device=device)  # (cap,) its token
-        self.p_cnt = torch.empty(pairs, device=device)  # (cap,) its occurrences in the output
+        self.p_row = torch.empty(capacity, dtype=torch.long, device=device)  # (cap,) row of a pair
+        self.p_tok = torch.empty(capacity, dtype=torch.long, device=device)  # (cap,) its token
+        self.p_cnt = torch.empty(capacity, device=device)  # (cap,) its occurrences in the output
         self.n = 0  # pairs in use
-        self.owner: list = [None] * rows  # weakref to the Sequence owning each row
-        self.synced = [0] * rows  # output tokens already counted, per row
-        self.row_of: dict[int, int] = {}  # id(seq) -> row
-        self.free = list(range(rows - 1, -1, -1))
 
-    def _alloc(self, seq) -> int:
-        "A row for a new sequence: a free one, else one a finished sequence left, else a new one."
-        if not self.free:
-            self._sweep()
-        if not self.free:
-            R = len(self.owner)
-            self.pair_of = torch.cat([self.pair_of, torch.full_like(self.pair_of, -1)])
-            self.owner += [None] * R
-            self.synced += [0] * R
-            self.free = list(range(2 * R - 1, R - 1, -1))
-        r = self.free.pop()
-        self.owner[r] = weakref.ref(seq)
-        self.synced[r] = -1  # -1: its prompt is still to count
-        self.row_of[id(seq)] = r
-        return r
+    def add_rows(self, k: int):
+        "`k` more rows, none of their pairs seen."
+        self.pair_of = torch.cat([self.pair_of, self.pair_of.new_full((k, self.V), -1)])
 
-    def _sweep(self):
-        "Free the rows of sequences that finished or no longer exist, and drop their pairs."
-        dead = []
-        for r, w in enumerate(self.owner):
-            if w is not None and ((s := w()) is None or s.finished):
-                dead.append(r)
-        if not dead:
-            return
-        gone = torch.zeros(len(self.owner), dtype=torch.bool, device=self.device)
-        gone[torch.tensor(dead, device=self.device)] = True
-        pr, pt = self.p_row[: self.n], self.p_tok[: self.n]
-        drop = gone[pr]
-        self.pair_of[pr[drop], pt[drop]] = -1
-        keep = (~drop).nonzero()[:, 0]
-        n = len(keep)
-        self.p_row[:n], self.p_tok[:n] = pr[keep], pt[keep]
-        self.p_cnt[:n] = self.p_cnt[: self.n][keep]
-        at = torch.arange(n, dtype=torch.int32, device=self.device)
-        self.pair_of[self.p_row[:n], self.p_tok[:n]] = at
-        self.n = n
-        for r in dead:
-            self.owner[r] = None
-            self.free.append(r)
-        self.row_of = {k: v for k, v in self.row_of.items() if self.owner[v] is not None}
-
-    def _add(self, rows: list[int], toks: list[int], weights: list[int]):
+    def add(self, rows: list[int], toks: list[int], weights: list[int]):
         "Count `weights` more occurrences of each (row, token); weight 0 marks a prompt token seen."
         if not rows:
             return
@@ -135,6 +94,84 @@ class PenaltyCounts:
             self.n += k
         self.p_cnt.index_add_(0, idx, w)
 
+    def drop_rows(self, rows: list[int]):
+        "Forget every pair of `rows`, keeping the others packed at the front of the buffers."
+        gone = torch.zeros(len(self.pair_of), dtype=torch.bool, device=self.device)
+        gone[torch.tensor(rows, device=self.device)] = True
+        pr, pt = self.p_row[: self.n], self.p_tok[: self.n]
+        drop = gone[pr]
+        self.pair_of[pr[drop], pt[drop]] = -1
+        keep = (~drop).nonzero()[:, 0]
+        n = len(keep)
+        self.p_row[:n], self.p_tok[:n] = pr[keep], pt[keep]
+        self.p_cnt[:n] = self.p_cnt[: self.n][keep]
+        at = torch.arange(n, dtype=torch.int32, device=self.device)
+        self.pair_of[self.p_row[:n], self.p_tok[:n]] = at
+        self.n = n
+
+    def pairs(self, rows: torch.Tensor):
+        "Seen (batch row, token) pairs of a batch on rows `rows` (N,), with output counts."
+        pr = self.p_row[: self.n]
+        if len(set(rows.tolist())) == len(rows):  # each row once (the engine's case): a lookup
+            pos = torch.full((len(self.pair_of),), -1, dtype=torch.long, device=self.device)
+            pos[rows] = torch.arange(len(rows), device=self.device)
+            b = pos[pr]  # (n,) batch row of each pair, -1: not in the batch
+            if bool((b >= 0).all()):
+                return b, self.p_tok[: self.n], self.p_cnt[: self.n]
+            keep = (b >= 0).nonzero()[:, 0]
+            return b[keep], self.p_tok[keep], self.p_cnt[keep]
+        order = rows.argsort()  # a row named several times: expand its pairs
+        srt = rows[order]
+        lo = torch.searchsorted(srt, pr)  # (n,) the batch rows holding each pair's row: [lo, hi)
+        hi = torch.searchsorted(srt, pr, right=True)
+        k = hi - lo
+        pair = torch.repeat_interleave(torch.arange(self.n, device=self.device), k)
+        j = torch.arange(len(pair), device=self.device) - (k.cumsum(0) - k)[pair]
+        return order[lo[pair] + j], self.p_tok[pair], self.p_cnt[pair]
+
+
+# %% ../../nbs/06_sampler.ipynb #56f5d175
+class PenaltyCounts:
+    "The seen pairs of tracked sequences, one row each, brought up to date with their new tokens."
+
+    def __init__(self, vocab_size: int, device="cpu", rows: int = 8, pairs: int = 1024):
+        self.seen = SeenPairs(rows, vocab_size, device, pairs)
+        self.V, self.device = vocab_size, self.seen.device
+        self.owner: list = [None] * rows  # weakref to the Sequence owning each row
+        self.synced = [0] * rows  # output tokens already counted, per row
+        self.row_of: dict[int, int] = {}  # id(seq) -> row
+        self.free = list(range(rows - 1, -1, -1))
+
+    def _alloc(self, seq) -> int:
+        "A row for a new sequence: a free one, else one a finished sequence left, else a new one."
+        if not self.free:
+            self._sweep()
+        if not self.free:
+            R = len(self.owner)
+            self.seen.add_rows(R)
+            self.owner += [None] * R
+            self.synced += [0] * R
+            self.free = list(range(2 * R - 1, R - 1, -1))
+        r = self.free.pop()
+        self.owner[r] = weakref.ref(seq)
+        self.synced[r] = -1  # -1: its prompt is still to count
+        self.row_of[id(seq)] = r
+        return r
+
+    def _sweep(self):
+        "Free the rows of sequences that finished or no longer exist, and drop their pairs."
+        dead = []
+        for r, w in enumerate(self.owner):
+            if w is not None and ((s := w()) is None or s.finished):
+                dead.append(r)
+        if not dead:
+            return
+        self.seen.drop_rows(dead)
+        for r in dead:
+            self.owner[r] = None
+            self.free.append(r)
+        self.row_of = {k: v for k, v in self.row_of.items() if self.owner[v] is not None}
+
     def update(self, seqs) -> torch.Tensor:
         "Bring the counts of `seqs` up to date (O(new tokens)); their rows, (N,) int64."
         rows, add_r, add_t, add_w = [], [], [], []
@@ -157,25 +194,9 @@ class PenaltyCounts:
             add_w += [1] * len(new)
             self.synced[r] = n_out
             rows.append(r)
-        self._add(add_r, add_t, add_w)
+        self.seen.add(add_r, add_t, add_w)
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def pairs(self, rows: torch.Tensor):
-        "Seen (batch row, token) pairs of the batch on state rows `rows` (N,), with output counts."
-        pr = self.p_row[: self.n]
-        if len(set(rows.tolist())) == len(rows):  # each row once (the engine's case): a lookup
-            pos = torch.full((len(self.owner),), -1, dtype=torch.long, device=self.device)
-            pos[rows] = torch.arange(len(rows), device=self.device)
-            b = pos[pr]  # (n,) batch row of each pair, -1: not in the batch
-            if bool((b >= 0).all()):
-                return b, self.p_tok[: self.n], self.p_cnt[: self.n]
-            keep = (b >= 0).nonzero()[:, 0]
-            return b[keep], self.p_tok[keep], self.p_cnt[keep]
-        order = rows.argsort()  # a row named several times: expand its pairs
-        srt = rows[order]
-        lo = torch.searchsorted(srt, pr)  # (n,) the batch rows holding each pair's row: [lo, hi)
-        hi = torch.searchsorted(srt, pr, right=True)
-        k = hi - lo
-        pair = torch.repeat_interleave(torch.arange(self.n, device=self.device), k)
-        j = torch.arange(len(pair), device=self.device) - (k.cumsum(0) - k)[pair]
-        return order[lo[pair] + j], self.p_tok[pair], self.p_cnt[pair]
+        "Seen (batch row, token) pairs of the batch on rows `rows` (N,) from `update`, with counts."
+        return self.seen.pairs(rows)

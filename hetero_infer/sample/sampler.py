@@ -9,9 +9,6 @@ import torch
 from ..core.sequence import Sequence
 from ..core.outputs import Logprob
 from .penalties import PenaltyCounts, apply_penalties
-from hetero_infer.sample.penalties import (
-    seen_tokens as seen_tokens,
-)  # re-exported: older imports work
 
 # %% auto #0
 __all__ = [
