@@ -64,6 +64,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # one line saying why, when the request failed (finish_reason "error")
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token: Logprob}
+    prompt_logprobs: list[dict | None] | None = None
 
     def __repr__(self) -> str:
         outs = "; ".join(

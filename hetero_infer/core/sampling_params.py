@@ -52,6 +52,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # most tokens to generate; None means up to max_model_len
     min_tokens: int = 0  # no stop (eos, stop ids, stop strings) before this many tokens
     logprobs: int | None = None  # return this many top logprobs per token, plus the chosen one
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     detokenize: bool = True  # False: token ids only, the text stays "" (no stop strings then)
@@ -147,12 +148,14 @@ def check_stopping(p: SamplingParams):
 # %% ../../nbs/00_core.ipynb #6c1694a1
 @register_params_check
 def check_output(p: SamplingParams):
-    "logprobs, the text's options, and stop strings only with the text."
-    check_field(
-        p.logprobs is None or (is_int(p.logprobs) and 0 <= p.logprobs <= MAX_LOGPROBS),
-        "logprobs",
-        f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {p.logprobs!r}",
-    )
+    "logprobs, prompt logprobs, the text's options, and stop strings only with the text."
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, name)
+        check_field(
+            v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
+            name,
+            f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}",
+        )
     check_bool(p, "skip_special_tokens", "include_stop_str_in_output", "detokenize")
     check_field(
         p.detokenize or not p.stop,

@@ -18,6 +18,12 @@ from ..core.sampling_params import SamplingParams
 from ..core.sequence import Sequence
 from .output_processor import OutputProcessor, abort_requests, fail_step
 from .plugins import PLUGINS
+from hetero_infer.engine.prompt_logprobs import (
+    ask_prompt_logits,
+    prompt_targets,
+    record_prompt_logprobs,
+    scores_prompt,
+)
 from .request_state import RequestState
 from .tokenization import eos_token_ids, load_tokenizer, parse_prompt
 from ..kv_cache.block_manager import BlockManager
@@ -86,10 +92,9 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.requests: dict[str, RequestState] = {}  # every request not yet finished
         self.output = OutputProcessor(self)  # tokens into text, stop checks, RequestOutputs
-        self.counters = Counter()
         self.last_error: BaseException | None = None  # the latest exception a step recovered from
         self.stream_outputs = True  # False: step() returns only finished requests' outputs
-        self.seq_ids = itertools.count()  # every sequence's id, forks included
+        self.counters, self.seq_ids = Counter(), itertools.count()  # seq ids: forks too
         self.hook("attach")
 
     def _part(self, hook: str, *args):
@@ -130,6 +135,7 @@ class LLMEngine:
         self.hook("before_schedule")
         sched = self.scheduler.schedule()
         self.hook("after_schedule", sched)
+        ask_prompt_logits(sched)  # requests scoring their prompt: a row per prompt token
         if not sched.scheduled:
             return outputs
         try:
@@ -168,25 +174,27 @@ class LLMEngine:
 # %% ../../nbs/07_engine.ipynb #75e00144
 @dataclasses.dataclass
 class RowPlan:
-    "Which logits rows a step samples from, for whom, and which go to the sampler or a plugin."
+    "Which logits rows a step samples from and for whom, and which rows score prompt tokens."
 
-    rows: list[int]  # a logits row per sampled row (a fork repeats its parent's)
-    prefixes: list[tuple[Sequence, int]]  # per sampled row: (seq, tokens it follows)
-    single: list[int]  # positions (into rows) of entries with one row: the sampler's
-    multi: list[int]  # positions of entries with several rows: a plugin verifies them
-    multi_seqs: list[Sequence]  # their sequences, in order
+    rows: list[int] = dataclasses.field(default_factory=list)  # a logits row per sampled row
+    prefixes: list = dataclasses.field(default_factory=list)  # per sampled row: (seq, tokens)
+    single: list[int] = dataclasses.field(default_factory=list)  # positions: the sampler's rows
+    multi: list[int] = dataclasses.field(default_factory=list)  # positions a plugin verifies
+    multi_seqs: list[Sequence] = dataclasses.field(default_factory=list)  # their sequences
+    prompt: list = dataclasses.field(default_factory=list)  # (seq, logits row, prompt position)
 
     @classmethod
     def of(cls, sched: SchedulerOutput, engine: LLMEngine) -> RowPlan:
         "The plan of a step; n > 1 requests at their first token get their n - 1 forks planned."
-        plan, r = cls([], [], [], [], []), 0
+        plan, r = cls(), 0
         for it in sched.scheduled:
             s, L = it.seq, it.num_logits
-            if L == 1:
-                for seq in [s, *plan_forks(engine, s)]:
-                    plan.single.append(len(plan.rows))
-                    plan.rows.append(r)
-                    plan.prefixes.append((seq, len(s.token_ids)))
+            if scores_prompt(it):  # a row per token; the last one also samples at the end
+                plan.prompt += [(s, r + j, p) for j, p in prompt_targets(it)]
+                if it.samples:
+                    plan.sample(engine, s, r + L - 1)
+            elif L == 1:
+                plan.sample(engine, s, r)
             elif L > 1:  # a plugin's entry: several rows, one per token it checks
                 plan.multi += range(len(plan.rows), len(plan.rows) + L)
                 plan.multi_seqs.append(s)
@@ -194,6 +202,13 @@ class RowPlan:
                 plan.prefixes += [(s, len(s.token_ids) - L + 1 + j) for j in range(L)]
             r += L
         return plan
+
+    def sample(self, engine: LLMEngine, seq: Sequence, row: int) -> None:
+        "Logits row `row` samples `seq`'s next token, and those of the forks it plans."
+        for s in [seq, *plan_forks(engine, seq)]:
+            self.single.append(len(self.rows))
+            self.rows.append(row)
+            self.prefixes.append((s, len(seq.token_ids)))
 
 
 def plan_forks(engine: LLMEngine, seq: Sequence) -> list[Sequence]:
@@ -204,9 +219,11 @@ def plan_forks(engine: LLMEngine, seq: Sequence) -> list[Sequence]:
     return [seq.fork(next(engine.seq_ids), index=k) for k in range(1, req.params.n)]
 
 
+# %% ../../nbs/07_engine.ipynb #eb2f3ca4
 def sample_step(engine: LLMEngine, logits: torch.Tensor, sched: SchedulerOutput) -> list[tuple]:
     "`(seq, tokens, logprobs, tops)` per sampling entry: plugins process the rows, then sampling."
     plan = RowPlan.of(sched, engine)
+    record_prompt_logprobs(engine, logits, plan.prompt)  # the raw distribution, before plugins
     x = _rows(logits, plan.rows)
     for p in engine.plugins:
         x = p.process_logits(engine, x, plan.prefixes)

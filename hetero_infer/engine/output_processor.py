@@ -28,6 +28,8 @@ class OutputProcessor:
         eng, metrics = self.engine, RequestMetrics(seq.arrival_time)
         req = RequestState(seq.request_id, text, seq.prompt_token_ids, seq.params, [seq], metrics)
         req.track(seq, eng.tokenizer)
+        if seq.params.prompt_logprobs is not None:  # filled as the prompt's chunks run
+            req.prompt_logprobs = [None] * seq.num_prompt_tokens
         eng.counters["requests"] += 1
         eng.counters["prompt_tokens"] += seq.num_prompt_tokens
         return req

@@ -45,6 +45,7 @@ class RequestState:
     finished: bool = False
     failures: int = 0  # steps with this request in them that raised
     error: str | None = None  # set when it failed for good: finish_reason "error"
+    prompt_logprobs: list | None = None  # per prompt position (prompt_logprobs asked)
 
     def track(self, seq: Sequence, tokenizer) -> None:
         "Start the text state of `seq` (a detokenizer only when there is text to make)."
@@ -101,13 +102,5 @@ class RequestState:
                 )
             )
         cached = max(s.num_cached_tokens for s in self.seqs)
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            outs,
-            self.finished,
-            self.metrics,
-            cached,
-            error=self.error,
-        )
+        head = (self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished)
+        return RequestOutput(*head, self.metrics, cached, self.error, self.prompt_logprobs)
