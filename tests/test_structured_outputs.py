@@ -429,3 +429,49 @@ def test_speculative_rows_get_the_masks_one_token_at_a_time(mgr, tok):
                 assert not got[j, props[j]] and got[j + 1 :].all()
                 break
         mgr.drop("r")
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_generate_structured_flags(tmp_path, capsys):
+    """--json-schema/--regex/--choice/--grammar constrain every completion (demo model, sampled at
+    temperature 1); a bad spec or an unreadable file exits 2 naming its flag."""
+    from hetero_infer.cli.main import main
+    from hetero_infer.structured.cli import CONSTRAINT_FLAGS
+
+    assert set(CONSTRAINT_FLAGS) == {"json_schema", "regex", "choice", "grammar"}
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.ebnf").write_text('root ::= "a" | "b" "c"')
+    base = ["generate", "--chat", "--temperature", "1", "--max-tokens", "40", "--json"]
+    for flags, ok in [
+        (["--json-schema", str(tmp_path / "s.json")], lambda t: json.loads(t)["n"] in (1, 2, 3)),
+        (["--regex", "[0-9]{3}"], lambda t: re.fullmatch("[0-9]{3}", t)),
+        (["--choice", "yes", "no"], lambda t: t in ("yes", "no")),
+        (["--grammar", str(tmp_path / "g.ebnf")], lambda t: t in ("a", "bc")),
+    ]:
+        assert main(base + ["sort: b a", "x"] + flags) == 0  # --choice takes every word after it
+        for line in capsys.readouterr().out.splitlines():
+            assert all(ok(t) for t in json.loads(line)["completions"]), (flags, line)
+    for flags, where in [
+        (["--regex", "("], "--regex: regex:"),
+        (["--json-schema", str(tmp_path / "missing.json")], "--json-schema: cannot read"),
+        (["--grammar", str(tmp_path / "s.json")], "--grammar: grammar:"),
+    ]:
+        assert main(["generate", *flags, "x"]) == 2
+        assert where in capsys.readouterr().err
+
+
+def test_serve_tool_call_parser_flag():
+    "`serve --tool-call-parser` becomes the request extension's server option; a bad one exits."
+    from hetero_infer.cli.config import serve_options
+    from hetero_infer.cli.flags import build_parser
+    from hetero_infer.structured.cli import add_tool_call_parser_flag
+
+    assert callable(add_tool_call_parser_flag)
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
+    assert serve_options(args)["tool_call_parser"] == "llama3_json"
+    assert "tool_call_parser" not in serve_options(build_parser().parse_args(["serve"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])

@@ -298,3 +298,22 @@ def test_none_and_auto_leave_the_model_free(client, choice):
         if c.choices
     )
     assert text == ch.message.content
+
+
+def test_tool_call_parser_is_a_server_option():
+    """`build_app(..., tool_call_parser=...)` (what `serve --tool-call-parser` passes) reaches the
+    extension: a Llama 3.1 JSON answer to tool_choice "auto" becomes tool calls; an unknown
+    format is refused naming it, and an option no extension takes is a TypeError."""
+    from hetero_infer.server.app import build_app
+    from hetero_infer.server.extensions import ExtendedRequest
+    from hetero_infer.server.protocol import ChatCompletionRequest
+
+    ext = StructuredOutputsExtension(tool_call_parser="llama3_json")
+    req = ChatCompletionRequest(messages=MSGS, tools=TOOLS)
+    choice = ExtendedRequest([ext], req, "chat").chat_choice(None)
+    message, reason = choice.message('{"name": "add", "parameters": {"a": 1, "b": 2}}', "stop")
+    assert reason == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "add"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        build_app(None, engine_factory=lambda: None, tool_call_parser="mistral")
+    with pytest.raises(TypeError, match="colour"):
+        build_app(None, engine_factory=lambda: None, colour="red")
