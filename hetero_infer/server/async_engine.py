@@ -49,7 +49,7 @@ class ServerLoading(RuntimeError):
 
 
 class EngineDead(RuntimeError):
-    "The engine cannot run another step (a tensor-parallel worker died): 503, and serve exits 1."
+    "The engine cannot run another step (its model could not be loaded): 503, and serve exits 1."
 
 
 class StepFailed(RuntimeError):
