@@ -2,8 +2,8 @@
 a free port) and driven by the official `openai` client and raw HTTP: shapes, streaming equals
 non-streaming, every error row, 50 concurrent clients without cross-talk, disconnects that free
 their blocks, backpressure (503), a hypothesis fuzz with no 5xx, SIGTERM with open streams (final
-events, exit 0), and issue 29's items: fields honoured or refused by name, logit_bias, templates
-(kwargs, refusals), lone surrogates, CORS, /health and the port-0 banner."""
+events, exit 0), fields honoured or refused by name, logit_bias, templates (kwargs, refusals),
+lone surrogates, CORS, /health and the port-0 banner."""
 
 import asyncio
 import json
@@ -1033,7 +1033,7 @@ def test_readme_serve_examples_work_as_written():
         log.close()
 
 
-# ------------------------------------------- issue 29: fields, templates, text, CORS, health
+# ---------------------------------------------------- fields, templates, text, CORS, health
 
 P = "<|bos|><|user|>reverse: a b c<|eos|><|assistant|>"
 CHAT = [{"role": "user", "content": "reverse: a b c"}]

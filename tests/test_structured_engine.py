@@ -1,8 +1,11 @@
-"""Structured outputs through the engine (issue 25): a tiny random-weight Llama with Llama 3's
-real 128k tokenizer, sampled at temperature 1 in batches, so only the grammar's mask can make
-an output valid. Every output is checked against its own spec (json.loads + jsonschema,
-re.fullmatch, in); unconstrained requests in the same batch give exactly their solo tokens."""
+"""Structured outputs through the engine: a tiny random-weight Llama with Llama 3's real 128k
+tokenizer, sampled at temperature 1 in batches, so only the grammar's mask can make an output
+valid. Every output is checked against its own spec (json.loads + jsonschema, re.fullmatch, in);
+unconstrained requests in the same batch give exactly their solo tokens. With speculative
+decoding (ngram and draft proposers) every output still validates and greedy output equals the
+run without speculation."""
 
+import importlib
 import json
 import os
 import re
@@ -19,6 +22,7 @@ from hetero_infer.core.config import EngineConfig  # noqa: E402
 from hetero_infer.core.sampling_params import SamplingParams  # noqa: E402
 from hetero_infer.engine.llm_engine import LLMEngine  # noqa: E402
 from hetero_infer.structured.grammar import StructuredOutputsParams  # noqa: E402
+from hetero_infer.structured.plugin import StructuredOutputsPlugin  # noqa: E402 (registers it)
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", module="xgrammar")
@@ -48,6 +52,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     eng = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=128, max_model_len=512, seed=0))
+    assert any(isinstance(p, StructuredOutputsPlugin) for p in eng.plugins)
     yield eng
     eng.close()
 
@@ -105,7 +110,7 @@ def test_100_schema_requests_validate_through_the_engine(engine):
         assert c.finish_reason == "stop", (rid, c.text)
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert len({o.outputs[0].text for o in outs.values()}) > 90  # random, not one answer
-    assert engine.structured.stats["held"] == 0
+    assert engine.stats["structured_outputs"]["held"] == 0
 
 
 CHOICES = ["positive", "negative", "neutral", "n/a"]
@@ -208,23 +213,6 @@ def test_preemption_mid_output_stays_valid(model_dir):
         eng.close()
 
 
-def test_speculative_decoding_is_refused_by_name(model_dir):
-    eng = LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            max_model_len=512,
-            speculative_method="ngram",
-            num_speculative_tokens=2,
-        )
-    )
-    try:
-        with pytest.raises(ValueError, match="structured_outputs: cannot be combined"):
-            eng.add_request("s", [BOS, 1], sampled(StructuredOutputsParams(choice=["a"])))
-        assert not eng.has_unfinished_requests()
-    finally:
-        eng.close()
-
-
 def test_abort_while_compiling_and_failed_admission(engine):
     """A request aborted while its grammar may still compile ends 'abort' and leaves no matcher;
     one that could never fit the cache is refused at once; the engine goes on."""
@@ -233,8 +221,121 @@ def test_abort_while_compiling_and_failed_admission(engine):
     engine.abort_request("gone")
     outs = run(engine, {})
     assert outs["gone"].outputs[0].finish_reason == "abort"
-    engine.step()  # the seam forgets finished sequences before each step
-    assert engine.structured.stats["live"] == 0 and engine.structured.stats["held"] == 0
+    stats = engine.stats["structured_outputs"]
+    assert stats["live"] == 0 and stats["held"] == 0
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("long", [BOS] * 600, sampled(StructuredOutputsParams(choice=["a"])))
-    assert "long" not in engine.requests and engine.structured.stats["live"] == 0
+    assert "long" not in engine.requests and engine.stats["structured_outputs"]["live"] == 0
+
+
+# ---------------------------------------------------------------- with speculative decoding
+
+
+def speculation_imports() -> bool:
+    "Whether chapter 12's speculative decoding imports (it plugs in as an EnginePlugin too)."
+    try:
+        importlib.import_module("hetero_infer.spec_decode.speculator")
+    except ImportError:
+        return False
+    return True
+
+
+needs_speculation = pytest.mark.skipif(
+    not speculation_imports(), reason="hetero_infer.spec_decode.speculator does not import"
+)
+SPEC = dict(num_speculative_tokens=3)
+LETTERS = StructuredOutputsParams(regex=r"[a-z]+( [a-z]+)*")  # the demo model's answers' shape
+
+
+def drafts_proposed(engine) -> int:
+    "Tokens the speculating plugin proposed so far (from its stats)."
+    return sum(s.get("num_draft_tokens", 0) for s in engine.stats.values() if isinstance(s, dict))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(model_dir, tmp_path_factory):
+    "The tiny Llama's first layer as its draft model (same vocabulary)."
+    from hetero_infer.spec_decode.proposers import truncated_draft
+
+    return str(truncated_draft(model_dir, tmp_path_factory.mktemp("draft"), 1))
+
+
+@needs_speculation
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_keeps_outputs_valid_and_greedy_unchanged(model_dir, draft_dir, method):
+    """Greedy constrained requests (a JSON schema, a regex, a choice; prompts with repeats, so
+    prompt lookup proposes) give the same tokens with speculation as without; sampled ones, n = 2
+    included, all validate."""
+    greedy = lambda so: SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so)
+    loop = [BOS] + [1000, 1001, 1002, 1003] * 4
+    reqs = {
+        "json": (loop, greedy(StructuredOutputsParams(json=SCHEMA))),
+        "regex": (loop[:9], greedy(StructuredOutputsParams(regex=REGEX))),
+        "choice": ([BOS, 17], greedy(StructuredOutputsParams(choice=CHOICES))),
+        **{
+            f"s{i}": (loop, sampled(StructuredOutputsParams(json=SCHEMA), seed=i)) for i in range(4)
+        },
+        "n2": (loop, sampled(StructuredOutputsParams(json=SCHEMA), seed=9, n=2)),
+    }
+    config = dict(model=model_dir, max_num_seqs=32, max_model_len=512, seed=0)
+    plain = LLMEngine(EngineConfig(**config))
+    try:
+        want = run(plain, reqs)
+    finally:
+        plain.close()
+    draft = draft_dir if method == "draft" else None
+    spec = LLMEngine(
+        EngineConfig(**config, speculative_method=method, speculative_model=draft, **SPEC)
+    )
+    try:
+        got = run(spec, reqs)
+        assert drafts_proposed(spec) > 0
+    finally:
+        spec.close()
+    for rid in ("json", "regex", "choice"):
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+    assert got["choice"].outputs[0].text in CHOICES
+    assert re.fullmatch(REGEX, got["regex"].outputs[0].text)
+    for rid in ["json", "n2"] + [f"s{i}" for i in range(4)]:
+        for c in got[rid].outputs:
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len(got["n2"].outputs) == 2
+
+
+@needs_speculation
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_on_the_demo_model(method):
+    """The trained demo model: its answers copy the prompt's letters, so proposals are often
+    accepted; under a regex of its answers' shape and a JSON schema that forces another shape
+    (proposals refused), greedy output equals the run without speculation and validates."""
+    from hetero_infer.core.config import DEMO_MODEL_DIR
+    from hetero_infer.demo.task import demo_prompts
+    from hetero_infer.engine.llm import LLM
+
+    prompts = demo_prompts(8, seed=0)
+    listing = {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 6}
+    constraints = [LETTERS, StructuredOutputsParams(json=listing)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, structured_outputs=c) for c in constraints
+    ]
+    draft = str(DEMO_MODEL_DIR) if method == "draft" else None
+    plain, spec = (
+        LLM(seed=0),
+        LLM(seed=0, speculative_method=method, speculative_model=draft, **SPEC),
+    )
+    try:
+        for p in params:
+            want = plain.generate(prompts, p, use_tqdm=False)
+            got = spec.generate(prompts, p, use_tqdm=False)
+            for w, g in zip(want, got):
+                assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.prompt, p)
+                text = g.outputs[0].text
+                if p.structured_outputs.kind == "regex":
+                    assert re.fullmatch(LETTERS.regex, text), text
+                elif g.outputs[0].finish_reason == "stop":
+                    jsonschema.validate(json.loads(text), listing)
+        assert drafts_proposed(spec.engine) > 0
+    finally:
+        plain.close()
+        spec.close()

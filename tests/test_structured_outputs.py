@@ -19,6 +19,8 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from hetero_infer.structured.grammar import (  # noqa: E402
     StructuredOutputsManager,
     StructuredOutputsParams,
+    apply_bitmask,
+    fill_bitmask,
     tokenizer_info,
 )
 from hetero_infer.structured.tool_calls import (  # noqa: E402
@@ -59,7 +61,7 @@ def run_random(mgr, tok, requests: dict, seed: int = 0, max_steps: int = 400) ->
         # iid random logits at temperature 1 pick, by symmetry, a uniformly random allowed token:
         # argmax of iid uniform noise under the mask draws that same distribution, cheaply
         x = torch.rand(len(live), mgr.vocab_size, generator=g)
-        mgr.apply(x, mgr.fill_bitmask(live), live)
+        apply_bitmask(mgr, x, fill_bitmask(mgr, live), live)
         toks = x.argmax(-1).tolist()
         for k, t in zip(live, toks):
             assert mgr.accept(k, t), (k, t)
@@ -188,10 +190,10 @@ def test_unconstrained_rows_are_left_alone(mgr):
     keys = [None, "m", None]
     logits = torch.randn(3, mgr.vocab_size)
     before = logits.clone()
-    mgr.apply(logits, mgr.fill_bitmask(keys), keys)
+    apply_bitmask(mgr, logits, fill_bitmask(mgr, keys), keys)
     assert torch.equal(logits[[0, 2]], before[[0, 2]])
     assert torch.isfinite(logits[1]).sum() <= 4  # "x", "y" (and their merges), nothing else
-    assert mgr.fill_bitmask([None, None]) is None
+    assert fill_bitmask(mgr, [None, None]) is None
     mgr.drop("m")
 
 
@@ -201,7 +203,7 @@ def test_a_complete_output_allows_only_stop_tokens(mgr, tok):
     assert not mgr.is_terminated("t")  # complete, but the stop token is still to come
     stop = tok.convert_tokens_to_ids("<|eot_id|>")
     assert mgr.accept("t", stop) and mgr.is_terminated("t")
-    x = mgr.apply(torch.zeros(1, mgr.vocab_size), mgr.fill_bitmask(["t"]), ["t"])
+    x = apply_bitmask(mgr, torch.zeros(1, mgr.vocab_size), fill_bitmask(mgr, ["t"]), ["t"])
     assert torch.isfinite(x[0]).nonzero()[:, 0].tolist() == sorted(mgr.info.stop_token_ids)
     mgr.drop("t")
 
@@ -218,19 +220,19 @@ def test_bounded_strings_hold_no_control_characters(mgr, tok):
 
 def test_rollback_and_fork_give_the_same_masks(mgr, tok):
     mgr.submit("s", StructuredOutputsParams(json=SCHEMAS[0]))
-    before = mgr.fill_bitmask(["s"]).clone()
+    before = fill_bitmask(mgr, ["s"]).clone()
     ids = tok.encode('{"user": {"name": "Al', add_special_tokens=False)
     assert all(mgr.accept("s", t) for t in ids)
-    mid = mgr.fill_bitmask(["s"]).clone()
+    mid = fill_bitmask(mgr, ["s"]).clone()
     mgr.fork("s", "s2")
-    assert torch.equal(mgr.fill_bitmask(["s2"]), mid)
+    assert torch.equal(fill_bitmask(mgr, ["s2"]), mid)
     mgr.rollback("s", len(ids))
-    assert torch.equal(mgr.fill_bitmask(["s"]), before)
-    assert torch.equal(mgr.fill_bitmask(["s2"]), mid)  # the fork has its own matcher
+    assert torch.equal(fill_bitmask(mgr, ["s"]), before)
+    assert torch.equal(fill_bitmask(mgr, ["s2"]), mid)  # the fork has its own matcher
     with pytest.raises(ValueError, match="k:"):
         mgr.rollback("s", 1)
     mgr.reset("s2")
-    assert torch.equal(mgr.fill_bitmask(["s2"]), before)
+    assert torch.equal(fill_bitmask(mgr, ["s2"]), before)
     mgr.drop("s")
     mgr.drop("s2")
 
@@ -387,3 +389,89 @@ def test_parse_tool_calls(text, fmt, content, calls):
     assert got_content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
     assert len({c["id"] for c in got}) == len(got)
+
+
+def test_speculative_rows_get_the_masks_one_token_at_a_time(mgr, tok):
+    """`mask_rows` over the k + 1 rows of one sequence (k proposals at the end of its tokens) gives
+    row j the grammar's mask after the first j proposals, up to the first proposal the grammar
+    refuses (that row masks it out; the rows after it stay free), and leaves the matcher where it
+    was."""
+    from types import SimpleNamespace
+
+    from hetero_infer.structured.plugin import mask_rows
+
+    V, p = mgr.vocab_size, StructuredOutputsParams(json=SCHEMAS[0])
+    ids = tok.encode(
+        '{"user": {"name": "Al", "age": 42}, "active": true}', add_special_tokens=False
+    )
+    g = torch.Generator().manual_seed(0)
+    one_row = lambda: torch.isfinite(
+        apply_bitmask(mgr, torch.zeros(1, V), fill_bitmask(mgr, ["r"]), ["r"])[0]
+    )
+    for trial in range(24):
+        mgr.submit("r", p)
+        cut = int(torch.randint(0, len(ids) - 1, (1,), generator=g))
+        assert all(mgr.accept("r", t) for t in ids[:cut])
+        props = ids[cut : cut + int(torch.randint(1, 5, (1,), generator=g))]
+        if trial % 2:  # a random token among the proposals: the grammar mostly refuses it
+            props[int(torch.randint(0, len(props), (1,), generator=g))] = int(
+                torch.randint(0, 128000, (1,), generator=g)
+            )
+        seq = SimpleNamespace(token_ids=[1, 2, 3] + ids[:cut] + props, num_prompt_tokens=3)
+        rows = [(seq, 3 + cut + j) for j in range(len(props) + 1)]
+        got = torch.isfinite(mask_rows(mgr, torch.zeros(len(rows), V), rows, ["r"] * len(rows)))
+        assert mgr.seqs["r"].tokens == ids[:cut]  # rolled back
+        for j in range(len(rows)):
+            assert torch.equal(got[j], one_row()), (trial, j)
+            if j == len(props):
+                break
+            if not mgr.accept("r", props[j]):
+                assert not got[j, props[j]] and got[j + 1 :].all()
+                break
+        mgr.drop("r")
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_generate_structured_flags(tmp_path, capsys):
+    """--json-schema/--regex/--choice/--grammar constrain every completion (demo model, sampled at
+    temperature 1); a bad spec or an unreadable file exits 2 naming its flag."""
+    from hetero_infer.cli.main import main
+    from hetero_infer.structured.cli import CONSTRAINT_FLAGS
+
+    assert set(CONSTRAINT_FLAGS) == {"json_schema", "regex", "choice", "grammar"}
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.ebnf").write_text('root ::= "a" | "b" "c"')
+    base = ["generate", "--chat", "--temperature", "1", "--max-tokens", "40", "--json"]
+    for flags, ok in [
+        (["--json-schema", str(tmp_path / "s.json")], lambda t: json.loads(t)["n"] in (1, 2, 3)),
+        (["--regex", "[0-9]{3}"], lambda t: re.fullmatch("[0-9]{3}", t)),
+        (["--choice", "yes", "no"], lambda t: t in ("yes", "no")),
+        (["--grammar", str(tmp_path / "g.ebnf")], lambda t: t in ("a", "bc")),
+    ]:
+        assert main(base + ["sort: b a", "x"] + flags) == 0  # --choice takes every word after it
+        for line in capsys.readouterr().out.splitlines():
+            assert all(ok(t) for t in json.loads(line)["completions"]), (flags, line)
+    for flags, where in [
+        (["--regex", "("], "--regex: regex:"),
+        (["--json-schema", str(tmp_path / "missing.json")], "--json-schema: cannot read"),
+        (["--grammar", str(tmp_path / "s.json")], "--grammar: grammar:"),
+    ]:
+        assert main(["generate", *flags, "x"]) == 2
+        assert where in capsys.readouterr().err
+
+
+def test_serve_tool_call_parser_flag():
+    "`serve --tool-call-parser` becomes the request extension's server option; a bad one exits."
+    from hetero_infer.cli.config import serve_options
+    from hetero_infer.cli.flags import build_parser
+    from hetero_infer.structured.cli import add_tool_call_parser_flag
+
+    assert callable(add_tool_call_parser_flag)
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
+    assert serve_options(args)["tool_call_parser"] == "llama3_json"
+    assert "tool_call_parser" not in serve_options(build_parser().parse_args(["serve"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])

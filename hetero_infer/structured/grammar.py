@@ -13,6 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 import torch
 
+from ..core.sampling_params import register_params_check
+
 # %% auto #0
 __all__ = [
     "UNSUPPORTED_SCHEMA_KEYWORDS",
@@ -20,9 +22,14 @@ __all__ = [
     "bounded_strings_as_patterns",
     "choice_grammar",
     "StructuredOutputsParams",
+    "check_structured_outputs",
     "compile_grammar",
     "tokenizer_info",
+    "CompileCache",
     "StructuredOutputsManager",
+    "fill_row",
+    "fill_bitmask",
+    "apply_bitmask",
 ]
 
 # %% ../../nbs/14_structured_outputs.ipynb #16aabba2
@@ -182,6 +189,27 @@ class StructuredOutputsParams:
         return self.kind, json.dumps(self.spec, sort_keys=True, separators=(",", ":"))
 
 
+# %% ../../nbs/14_structured_outputs.ipynb #f809fb42
+_FIELDS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
+
+
+@register_params_check
+def check_structured_outputs(params) -> None:
+    "`params.structured_outputs` as `StructuredOutputsParams` (from a dict of its fields), or None."
+    value = params.structured_outputs
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return
+    if not isinstance(value, dict):
+        raise ValueError(
+            "structured_outputs: must be a StructuredOutputsParams or a dict of its fields, "
+            f"got {value!r}"
+        )
+    unknown = sorted(set(value) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown field(s) {unknown}; known: {list(_FIELDS)}")
+    params.structured_outputs = StructuredOutputsParams(**value)
+
+
 # %% ../../nbs/14_structured_outputs.ipynb #30fde8ab
 def compile_grammar(compiler, params: StructuredOutputsParams):
     "Compile `params` with an xgrammar `GrammarCompiler` (its cache makes a repeat ~free)."
@@ -211,6 +239,46 @@ def tokenizer_info(tokenizer, vocab_size: int | None = None, stop_token_ids=None
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #c1c76379
+class CompileCache:
+    "Grammars compiled on a thread pool, one shared future per (kind, spec); least recent out."
+
+    def __init__(
+        self,
+        tokenizer_info,  # xgrammar TokenizerInfo (see `tokenizer_info`)
+        max_workers: int = 1,  # compile threads (off the step's critical path)
+        cache_size: int = 256,  # compiled grammars kept, by (kind, spec)
+        cache_limit_bytes: int = 256 << 20,  # xgrammar's own compiled-grammar cache bound
+    ):
+        import xgrammar as xgr
+
+        self.compiler = xgr.GrammarCompiler(
+            tokenizer_info, max_threads=1, cache_limit_bytes=cache_limit_bytes
+        )
+        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self.cache_size, self.futures, self.lock = cache_size, OrderedDict(), threading.Lock()
+        self.stats = {"compiled": 0, "cache_hits": 0}
+
+    def compile_async(self, params: StructuredOutputsParams) -> Future:
+        "A future of the compiled grammar; shared by every request with the same (kind, spec)."
+        key = params.key()
+        with self.lock:
+            fut = self.futures.get(key)
+            if fut is not None and not (fut.done() and fut.exception()):
+                self.futures.move_to_end(key)
+                self.stats["cache_hits"] += 1
+                return fut
+            self.stats["compiled"] += 1
+            fut = self.futures[key] = self.pool.submit(compile_grammar, self.compiler, params)
+            while len(self.futures) > self.cache_size:
+                self.futures.popitem(last=False)
+            return fut
+
+    def close(self):
+        "Stop the compile threads."
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# %% ../../nbs/14_structured_outputs.ipynb #1b8deee6
 @dataclasses.dataclass
 class _SeqGrammar:
     "One sequence's constraint: the compile future, its matcher, the tokens it accepted."
@@ -222,47 +290,25 @@ class _SeqGrammar:
 
 
 class StructuredOutputsManager:
-    "Compiles grammars off the step's path; masks, advances, rolls back a matcher per sequence."
+    "A matcher per sequence: submitted, masked, advanced, rolled back, forked, dropped."
 
-    def __init__(
-        self,
-        tokenizer_info,  # xgrammar TokenizerInfo (see `tokenizer_info`), vocab = logits width
-        max_workers: int = 1,  # compile threads (off the step's critical path)
-        cache_size: int = 256,  # compiled grammars kept, by (kind, spec), least recently used out
-        cache_limit_bytes: int = 256 << 20,  # xgrammar's own compiled-grammar cache bound
-    ):
-        import xgrammar as xgr
-
+    def __init__(self, tokenizer_info, **cache_kwargs):  # cache_kwargs: `CompileCache`'s
         self.info, self.vocab_size = tokenizer_info, tokenizer_info.vocab_size
-        self.compiler = xgr.GrammarCompiler(
-            tokenizer_info, max_threads=1, cache_limit_bytes=cache_limit_bytes
-        )
-        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self.cache_size, self._futures, self._lock = cache_size, OrderedDict(), threading.Lock()
+        self.cache = CompileCache(tokenizer_info, **cache_kwargs)
         self.seqs: dict[Any, _SeqGrammar] = {}
-        self.stats = {"submitted": 0, "compiled": 0, "cache_hits": 0}
+        self.submitted = 0
 
-    def compile_async(self, params: StructuredOutputsParams) -> Future:
-        "A future of the compiled grammar; shared by every request with the same (kind, spec)."
-        key = params.key()
-        with self._lock:
-            fut = self._futures.get(key)
-            if fut is not None and not (fut.done() and fut.exception()):
-                self._futures.move_to_end(key)
-                self.stats["cache_hits"] += 1
-                return fut
-            self.stats["compiled"] += 1
-            fut = self._futures[key] = self.pool.submit(compile_grammar, self.compiler, params)
-            while len(self._futures) > self.cache_size:
-                self._futures.popitem(last=False)
-            return fut
+    @property
+    def stats(self) -> dict:
+        "Sequences submitted, grammars compiled, compile-cache hits."
+        return {"submitted": self.submitted, **self.cache.stats}
 
     def submit(self, key, params: StructuredOutputsParams) -> Future:
         "Start compiling `params` for sequence `key` (returns at once); see `ready`."
         if key in self.seqs:
             raise ValueError(f"structured_outputs: {key!r} already has a grammar")
-        self.stats["submitted"] += 1
-        fut = self.compile_async(params)
+        self.submitted += 1
+        fut = self.cache.compile_async(params)
         self.seqs[key] = _SeqGrammar(params, fut)
         return fut
 
@@ -285,39 +331,6 @@ class StructuredOutputsManager:
             self.ready(key)
             s.matcher = xgr.GrammarMatcher(s.future.result())
         return s.matcher
-
-    def fill_bitmask(self, keys: list) -> torch.Tensor | None:
-        "(N, ceil(V/32)) int32 bitmask, one row per logits row (None keys: all allowed), or None."
-        if all(k is None for k in keys):
-            return None
-        import xgrammar as xgr
-
-        bitmask = xgr.allocate_token_bitmask(len(keys), self.vocab_size)  # filled with -1
-        for i, k in enumerate(keys):
-            if k is None:
-                continue
-            if self.matcher(k).is_terminated():  # complete: only a stop token may follow
-                bitmask[i] = 0
-                for t in self.info.stop_token_ids:
-                    bitmask[i, t // 32] |= (1 << t % 32) - (1 << 32 if t % 32 == 31 else 0)
-            else:
-                self.matcher(k).fill_next_token_bitmask(bitmask, i)
-        return bitmask
-
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor | None, keys: list) -> torch.Tensor:
-        "Set forbidden logits to -inf in place, only on rows whose key is not None; returns logits."
-        rows = [i for i, k in enumerate(keys) if k is not None]
-        if bitmask is None or not rows:
-            return logits
-        if logits.shape[-1] > bitmask.shape[-1] * 32:
-            raise ValueError(
-                f"logits: {logits.shape[-1]} columns, the bitmask covers {self.vocab_size}"
-            )
-        import xgrammar as xgr
-
-        bm = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=self.vocab_size, indices=rows)
-        return logits
 
     def accept(self, key, token_id: int) -> bool:
         "Advance `key`'s matcher by the sampled token; False (state unchanged) if it was illegal."
@@ -357,4 +370,45 @@ class StructuredOutputsManager:
 
     def close(self):
         "Stop the compile threads."
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.cache.close()
+
+
+# %% ../../nbs/14_structured_outputs.ipynb #005313ee
+def fill_row(mgr: StructuredOutputsManager, key, bitmask: torch.Tensor, i: int) -> None:
+    "Row `i` of `bitmask`: the tokens `key`'s grammar allows next (only stop tokens once complete)."
+    m = mgr.matcher(key)
+    if not m.is_terminated():
+        m.fill_next_token_bitmask(bitmask, i)
+        return
+    bitmask[i] = 0
+    for t in mgr.info.stop_token_ids:  # bit t of a row of int32 words
+        bitmask[i, t // 32] |= (1 << t % 32) - (1 << 32 if t % 32 == 31 else 0)
+
+
+def fill_bitmask(mgr: StructuredOutputsManager, keys: list) -> torch.Tensor | None:
+    "(N, ceil(V/32)) int32 bitmask, one row per logits row (None keys: all allowed), or None."
+    if all(k is None for k in keys):
+        return None
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(keys), mgr.vocab_size)  # filled with -1: all allowed
+    for i, k in enumerate(keys):
+        if k is not None:
+            fill_row(mgr, k, bitmask, i)
+    return bitmask
+
+
+def apply_bitmask(
+    mgr: StructuredOutputsManager, logits: torch.Tensor, bitmask: torch.Tensor | None, keys: list
+) -> torch.Tensor:
+    "Set forbidden logits to -inf in place, only on rows whose key is not None; returns logits."
+    rows = [i for i, k in enumerate(keys) if k is not None]
+    if bitmask is None or not rows:
+        return logits
+    if logits.shape[-1] > bitmask.shape[-1] * 32:
+        raise ValueError(f"logits: {logits.shape[-1]} columns, the bitmask covers {mgr.vocab_size}")
+    import xgrammar as xgr
+
+    bm = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=mgr.vocab_size, indices=rows)
+    return logits
