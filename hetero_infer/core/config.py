@@ -30,6 +30,7 @@ __all__ = [
     "check_bool",
     "ServingConfig",
     "resolve_model_path",
+    "register",
     "register_config_check",
     "EngineConfig",
     "check_model",
@@ -174,11 +175,20 @@ def resolve_model_path(path, field: str = "model") -> str:
 CONFIG_CHECKS: list = []  # every check an EngineConfig passes when built, in registration order
 
 
+def register(registry: list, item):
+    """Add `item` (a function or class) to a later chapter's `registry`, or put it in place of the
+    entry of the same name: a notebook that runs a registering cell again replaces its entry."""
+    names = [x.__qualname__ for x in registry]
+    if item.__qualname__ in names:
+        registry[names.index(item.__qualname__)] = item
+    else:
+        registry.append(item)
+    return item
+
+
 def register_config_check(check):
     "Run `check(config)` whenever an `EngineConfig` is built: it raises ValueError naming a field."
-    if check not in CONFIG_CHECKS:
-        CONFIG_CHECKS.append(check)
-    return check
+    return register(CONFIG_CHECKS, check)
 
 
 @dataclass

@@ -6,7 +6,15 @@
 from __future__ import annotations
 from dataclasses import dataclass
 
-from .config import check_bool, check_field, check_int, check_num, is_int, is_num
+from hetero_infer.core.config import (
+    check_bool,
+    check_field,
+    check_int,
+    check_num,
+    is_int,
+    is_num,
+    register,
+)
 
 # %% auto #0
 __all__ = [
@@ -28,9 +36,7 @@ PARAMS_CHECKS: list = []  # every check a SamplingParams passes when built, in r
 def register_params_check(check):
     """Run `check(params)` whenever a `SamplingParams` is built: it raises ValueError naming a
     field, or normalises the field in place."""
-    if check not in PARAMS_CHECKS:
-        PARAMS_CHECKS.append(check)
-    return check
+    return register(PARAMS_CHECKS, check)
 
 
 @dataclass

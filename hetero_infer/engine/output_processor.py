@@ -12,7 +12,7 @@ from .request_state import RequestState
 from ..scheduler.output import SchedulerOutput
 
 # %% auto #0
-__all__ = ["OutputProcessor", "abort_requests", "fail_step"]
+__all__ = ["OutputProcessor", "abort_requests", "fail_request", "fail_step"]
 
 
 # %% ../../nbs/07_engine.ipynb #e51e11bf
@@ -124,6 +124,19 @@ def abort_requests(engine, request_ids: list[str]) -> None:
         engine.output.aborted.append(engine.output.output(req))
 
 
+def fail_request(engine, request_id: str, message: str) -> RequestOutput:
+    "End a request with finish_reason 'error' saying `message`; its blocks freed, none cached."
+    req = engine.requests[request_id]
+    live = [s for s in req.seqs if not s.finished]
+    engine.scheduler.abort(request_id)
+    for seq in live:
+        seq.status = SequenceStatus.FINISHED_ERROR
+        engine.hook("on_finish", seq)
+    req.error, req.finished, req.metrics.finished_time = message, True, time.monotonic()
+    engine.counters["failed"] += 1
+    return engine.output.output(req)
+
+
 def fail_step(engine, sched: SchedulerOutput, err: Exception) -> list[RequestOutput]:
     "Nothing advanced: the step's requests run again, or past max_retry_attempts end in error."
     engine.last_error = err
@@ -137,14 +150,6 @@ def fail_step(engine, sched: SchedulerOutput, err: Exception) -> list[RequestOut
         if req.failures <= limit:
             engine.counters["retries"] += 1
             continue
-        req.error = (
-            f"the engine step failed {req.failures} times (max_retry_attempts={limit}); "
-            f"last error: {msg}"
-        )
-        for seq in engine.scheduler.abort(rid):
-            seq.status = SequenceStatus.FINISHED_ERROR  # blocks freed, nothing cached
-            engine.hook("on_finish", seq)
-        req.finished, req.metrics.finished_time = True, time.monotonic()
-        engine.counters["failed"] += 1
-        outs.append(engine.output.output(req))
+        why = f"the engine step failed {req.failures} times (max_retry_attempts={limit})"
+        outs.append(fail_request(engine, rid, f"{why}; last error: {msg}"))
     return outs

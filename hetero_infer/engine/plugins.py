@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..core.config import register
+
 if TYPE_CHECKING:
     import torch
 
@@ -85,15 +87,17 @@ class EnginePlugin:
         "The engine closes: stop workers, threads or processes."
 
 
+class EngineDeadError(RuntimeError):
+    "Raised by a plugin's hook when the engine can never step again (a worker process died)."
+
+
 PLUGINS: list[type[EnginePlugin]] = []  # in registration order: the book's order
 
 
 def register_plugin(cls: type[EnginePlugin]) -> type[EnginePlugin]:
-    "Add a plugin class to every engine built from now on (once; usable as a decorator)."
-    if cls not in PLUGINS:
-        PLUGINS.append(cls)
-    return cls
+    "Add a plugin class to every engine built from now on (replacing one of the same name)."
+    return register(PLUGINS, cls)
 
 
 # %% auto #0
-__all__ = ["PLUGINS", "EnginePlugin", "register_plugin"]
+__all__ = ["PLUGINS", "EnginePlugin", "EngineDeadError", "register_plugin"]

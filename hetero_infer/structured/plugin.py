@@ -12,6 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import torch
 
 from ..core.sequence import QueueFullError, Sequence, SequenceStatus
+from ..engine.output_processor import fail_request
 from ..engine.plugins import EnginePlugin, register_plugin
 from hetero_infer.structured.grammar import (
     StructuredOutputsManager,
@@ -21,7 +22,7 @@ from hetero_infer.structured.grammar import (
 )
 
 # %% auto #0
-__all__ = ["mask_rows", "HeldSequences", "StructuredOutputsPlugin", "fail_request"]
+__all__ = ["mask_rows", "HeldSequences", "StructuredOutputsPlugin"]
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #a610106c
@@ -94,7 +95,7 @@ class HeldSequences:
             except QueueFullError:
                 self.seqs.append(seq)
             except ValueError as e:  # the compile failed, or it can never fit the cache
-                fail_request(engine, seq, str(e))
+                engine.output.aborted.append(fail_request(engine, seq.request_id, str(e)))
 
     def drop(self, seq: Sequence) -> None:
         "Forget `seq` (it finished or was aborted while held)."
@@ -190,15 +191,3 @@ class StructuredOutputsPlugin(EnginePlugin):
     def close(self, engine) -> None:
         if self.mgr is not None:
             self.mgr.close()
-
-
-# %% ../../nbs/14_structured_outputs.ipynb #fac98df4
-def fail_request(engine, seq: Sequence, message: str) -> None:
-    "End `seq`'s request (`seq` not in the scheduler) with an error; its output comes next step."
-    req = engine.requests[seq.request_id]
-    req.error = message
-    seq.status = SequenceStatus.FINISHED_ERROR
-    req.finished, req.metrics.finished_time = True, time.monotonic()
-    engine.counters["failed"] += 1
-    engine.hook("on_finish", seq)
-    engine.output.aborted.append(engine.output.output(req))
