@@ -47,13 +47,6 @@ class SchedulerOutput:
     # sent back to waiting this step (recompute)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0  # sum of num_tokens over `scheduled`
-    # 17, the host tier: (device, host) and (host, device) block copies to run before the step
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # swapped-out requests' KV
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # their KV coming back
-    offload: list[tuple[int, int]] = field(default_factory=list)  # evicted prefix blocks
-    reload: list[tuple[int, int]] = field(default_factory=list)  # prefix blocks hit on the host
-    swapped: list[Sequence] = field(default_factory=list)  # swapped out this step
-    resumed: list[Sequence] = field(default_factory=list)  # whose KV comes from the host
 
     @property
     def num_decodes(self) -> int:
@@ -70,11 +63,7 @@ class SchedulerStats:
 
     steps: int = 0  # schedule() calls that scheduled something
     admitted: int = 0  # sequences moved from waiting to running (re-admissions count again)
-    preemptions: int = 0  # sequences preempted (recomputed, or swapped out: 17)
-    swapped_out: int = 0  # of those, swapped to host memory (preemption_mode="swap")
-    swapped_in: int = 0  # swapped-out sequences resumed with their KV copied back
-    recompute_fallbacks: int = 0  # preemptions that asked for swap but recomputed (no room)
-    transfer_failures: int = 0  # steps whose host copies failed (their sequences recompute)
+    preemptions: int = 0  # sequences preempted
     finished: int = 0  # sequences finished by the engine (stop or length)
     aborted: int = 0  # sequences aborted
     rejected: int = 0  # requests refused at `add` because they could never fit
