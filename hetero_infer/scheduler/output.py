@@ -11,7 +11,7 @@ from ..core.sequence import Sequence
 __all__ = ["ScheduledSeq", "SchedulerOutput", "SchedulerStats"]
 
 
-# %% ../../nbs/02_scheduler.ipynb #a4106250
+# %% ../../nbs/02_scheduler.ipynb #19ce58eb
 @dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step: how many of its tokens run, and the cache slots their KV goes
@@ -44,7 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     # (src, dst) copy-on-write copies to do before the step
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # sent back to waiting this step (recompute)
+    # preempted this step: back to the front of the waiting queue, to be recomputed
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0  # sum of num_tokens over `scheduled`
 
