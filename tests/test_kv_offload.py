@@ -273,6 +273,9 @@ def test_swapped_is_a_state_of_its_own():
         ({"preemption_mode": "drop"}, "preemption_mode"),
         ({"swap_space": -1}, "swap_space"),
         ({"kv_offloading_size": "4"}, "kv_offloading_size"),
+        ({"preemption_mode": "swap", "tensor_parallel_size": 2}, "preemption_mode"),
+        ({"kv_offloading_size": 1, "tensor_parallel_size": 2}, "kv_offloading_size"),
+        ({"kv_offloading_size": 1, "enable_prefix_caching": False}, "kv_offloading_size"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(kw, field):
