@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
 
 from hetero_infer.core.sequence import Sequence
-from hetero_infer.kv_cache.block_manager import BlockManager, NoFreeBlocksError, hash_block
+from hetero_infer.kv_cache.block_manager import BlockManager, NoFreeBlocksError
+from hetero_infer.kv_cache.prefix_cache import hash_block
 
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 tokens = st.lists(
@@ -24,8 +25,8 @@ def manager_state(bm):
     "Everything the manager owns, to compare before and after a refused call."
     return (
         list(bm.free_ids),
-        list(bm.evictable),
-        dict(bm.cached),
+        list(bm.cache.evictable),
+        dict(bm.cache.cached),
         [(b.ref_count, b.hash, b.token_ids) for b in bm.blocks],
         {k: list(s.block_table) for k, s in bm.seqs.items()},
         copy.copy(bm.stats),
@@ -82,7 +83,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.live[s.seq_id] = s
             c = s.num_computed_tokens
             assert c == s.num_cached_tokens and c % self.bs == 0 and c < len(s)
-            assert self.bm.enable_prefix_caching or c == 0
+            assert self.bm.cache.enabled or c == 0
             assert len(s.block_table) == -(-len(s) // self.bs)
             for i in range(c // self.bs):  # a prefix-cache hit holds exactly the prompt's tokens
                 assert self.bm.blocks[s.block_table[i]].token_ids == tuple(
@@ -151,7 +152,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         n = max(1, round(frac * s.num_uncomputed_tokens))
         if not self.bm.can_append(s, n):
             return
-        cached, computed = dict(self.bm.cached), s.num_computed_tokens
+        cached, computed = dict(self.bm.cache.cached), s.num_computed_tokens
         slots, copies = self.bm.append_slots(s, n)
         assert self.bm.append_slots(s, n) == (slots, copies)  # scheduling again is idempotent
         for src, dst in copies if copy else ():
@@ -160,7 +161,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for slot in slots:
             self.kv[slot] = ("garbage",)
         assert (
-            set(self.bm.cached) <= set(cached) and s.num_computed_tokens == computed
+            set(self.bm.cache.cached) <= set(cached) and s.num_computed_tokens == computed
         )  # nothing published (taking blocks may evict)
 
     @precondition(lambda self: self.live)
@@ -204,7 +205,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         held = [b for s in self.live.values() for b in s.block_table]
         used = set(held) | set(bm.pins)  # in a table, or the source of a copy not yet committed
-        free = list(bm.free_ids) + list(bm.evictable)
+        free = list(bm.free_ids) + list(bm.cache.evictable)
         # free + used = total, and no block is both free and used
         assert len(free) == len(set(free)) and not set(free) & used
         assert len(free) + len(used) == bm.num_blocks == bm.num_free_blocks() + len(used)
@@ -218,12 +219,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(bm.seqs) == set(self.live)
         # the cache: hash -> block is a bijection onto the blocks carrying a hash; evictable ones
         # are cached and unreferenced
-        assert {h: b for h, b in bm.cached.items()} == {
+        assert {h: b for h, b in bm.cache.cached.items()} == {
             blk.hash: blk.block_id for blk in bm.blocks if blk.hash is not None
         }
-        assert all(
-            bm.blocks[b].hash is not None and bm.blocks[b].ref_count == 0 for b in bm.evictable
-        )
+        parked = [bm.blocks[b] for b in bm.cache.evictable]
+        assert all(blk.hash is not None and blk.ref_count == 0 for blk in parked)
         assert all(bm.blocks[b].hash is None for b in bm.free_ids)
 
     @invariant()
@@ -354,7 +354,7 @@ def test_batched_decode_equals_per_sequence(lens, block_size, forks, steps):
         for s in s2:
             b2.commit(s, 1)
         assert (
-            b1.cached == b2.cached
+            b1.cache.cached == b2.cache.cached
             and b1.pins == b2.pins == {}
             and b1.cow_pending == b2.cow_pending == {}
         )
@@ -396,7 +396,7 @@ def test_failed_step_publishes_nothing():
     a = mkseq(0, range(10))
     bm.allocate(a)
     bm.append_slots(a, 10)
-    assert not bm.cached and a.num_computed_tokens == 0
+    assert not bm.cache.cached and a.num_computed_tokens == 0
     bm.free(a)
     b = mkseq(1, range(10))
     bm.allocate(b)
@@ -409,10 +409,10 @@ def test_commit_publishes_the_blocks_the_step_filled():
     bm.allocate(a)
     bm.append_slots(a, 6)
     bm.commit(a, 6)
-    assert len(bm.cached) == 1 and a.num_computed_tokens == 6  # block 0 full, block 1 half
+    assert len(bm.cache.cached) == 1 and a.num_computed_tokens == 6  # block 0 full, block 1 half
     bm.append_slots(a, 4)
     bm.commit(a, 4)
-    assert len(bm.cached) == 2 and a.num_computed_tokens == 10
+    assert len(bm.cache.cached) == 2 and a.num_computed_tokens == 10
     with pytest.raises(ValueError, match="n must be in"):
         bm.commit(a, 1)
     with pytest.raises(KeyError):
@@ -449,7 +449,7 @@ def test_retried_copy_on_write_is_handed_out_again_and_its_source_kept():
         bm.blocks[src].ref_count == 0
         and src in bm.pins
         and src not in bm.free_ids
-        and src not in bm.evictable
+        and src not in bm.cache.evictable
     )
     filler = mkseq(2, range(100, 112))  # takes every free block: src must not be among them
     if bm.can_allocate(filler):
@@ -459,7 +459,7 @@ def test_retried_copy_on_write_is_handed_out_again_and_its_source_kept():
     with pytest.raises(ValueError, match="not yet committed"):
         bm.fork(p, mkseq(3, [1]))  # forks come after a committed step
     bm.commit(p, 1)
-    assert not bm.pins and not bm.cow_pending and (src in bm.free_ids or src in bm.evictable)
+    assert not bm.pins and not bm.cow_pending and (src in bm.free_ids or src in bm.cache.evictable)
 
 
 def test_sibling_borrows_then_joins():
@@ -571,7 +571,7 @@ def test_can_append_defaults_to_one_token_and_counts_evictable_blocks():
         a, 2
     )  # a second token needs a third block: none free
     bm.free(b)  # b's full block is cached: evictable, not free
-    assert not bm.free_ids and len(bm.evictable) == 1
+    assert not bm.free_ids and len(bm.cache.evictable) == 1
     assert bm.can_append(a, 2)
 
 
@@ -682,9 +682,9 @@ def test_without_prefix_caching_commit_publishes_nothing():
     bm.allocate(a)
     bm.append_slots(a, 9)
     bm.commit(a, 9)
-    assert not bm.cached and all(b.hash is None for b in bm.blocks)
+    assert not bm.cache.cached and all(b.hash is None for b in bm.blocks)
     bm.free(a)
-    assert not bm.evictable and sorted(bm.free_ids) == [0, 1, 2, 3]
+    assert not bm.cache.evictable and sorted(bm.free_ids) == [0, 1, 2, 3]
 
 
 def test_constructor_bounds_name_the_field():

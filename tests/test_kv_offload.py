@@ -4,14 +4,23 @@ through the engine on a tiny random Llama.
 Every scenario checks greedy tokens against a run that never preempts, and `kv_audit` (no block
 lost or leaked on the device or in either host pool) after every step."""
 
+import ast
+import pathlib
+import re
+
 import pytest
 import torch
+
+import hetero_infer
 
 from hetero_infer.core.config import EngineConfig
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.core.sequence import SequenceStatus
 from hetero_infer.engine.llm_engine import LLMEngine
+from hetero_infer.kv_cache.block_manager import BlockManager
+from hetero_infer.kv_offload.plugin import KVOffloadPlugin
 from hetero_infer.kv_offload.tier import kv_audit
+from hetero_infer.scheduler.scheduler import Scheduler
 from hetero_infer.testing import tiny_hf_checkpoint
 
 CPU = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128)
@@ -30,6 +39,12 @@ def tiny_path(tmp_path_factory):
 
 def engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), **{**CPU, **kw}))
+
+
+def tier_of(eng) -> KVOffloadPlugin:
+    "The engine's host-tier plugin."
+    (p,) = [p for p in eng.plugins if isinstance(p, KVOffloadPlugin)]
+    return p
 
 
 def prompts(lengths, seed=0):
@@ -66,13 +81,13 @@ def run(eng, reqs, max_steps=3000, abort_at=None, on_step=None):
 
 def preempted_requests(eng) -> set:
     "Wrap the scheduler's preemption to record every victim's request id."
-    seen, orig = set(), eng.scheduler._preempt
+    seen, orig = set(), eng.scheduler.preempt
 
     def spy(victim, out):
         seen.add(victim.request_id)
         return orig(victim, out)
 
-    eng.scheduler._preempt = spy
+    eng.scheduler.preempt = spy
     return seen
 
 
@@ -190,9 +205,10 @@ def test_a_failed_copy_recomputes_and_never_serves_stale_kv(tiny_path, fail_at):
         kv_offloading_size=64 * GIB_PER_BLOCK,
         **SMALL,
     )
-    eng.kv_tier.copy = FailOnce(fail_at, eng.kv_tier.copy)
+    tier = tier_of(eng).tier
+    tier.copy = FailOnce(fail_at, tier.copy)
     assert run(eng, workload()) == ref
-    assert eng.kv_tier.copy.calls >= fail_at
+    assert tier.copy.calls >= fail_at
     assert eng.stats["kv_offload"]["transfer_failures"] == 1
 
 
@@ -218,8 +234,33 @@ def test_aborts_leave_no_block_behind_in_either_tier(tiny_path):
     assert len(aborted) == 2 and not set(aborted) & set(done)
     st = eng.stats["kv_offload"]
     assert st["swapped"] == 0 and st["swap_blocks_free"] == 256
-    assert not eng.kv_tier.prefix.pins
+    assert not tier_of(eng).tier.prefix.pins
     assert eng.block_manager.num_free_blocks() == 16
+
+
+def test_an_engine_without_a_host_tier_builds_none_of_it(tiny_path):
+    eng = engine(tiny_path, swap_space=4)  # preemption_mode="recompute", kv_offloading_size=0
+    assert not any(isinstance(p, KVOffloadPlugin) for p in eng.plugins)
+    assert type(eng.scheduler) is Scheduler and type(eng.block_manager) is BlockManager
+    assert "kv_offload" not in eng.stats
+
+
+def test_the_block_manager_and_the_scheduler_know_nothing_of_the_host_tier():
+    "Chapters 01 and 02 import nothing of chapter 17 and name none of its parts."
+    root = pathlib.Path(hetero_infer.__file__).parent
+    files = sorted((root / "kv_cache").glob("*.py")) + sorted((root / "scheduler").glob("*.py"))
+    assert len(files) >= 5
+    for f in files:
+        src = f.read_text()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any("kv_offload" in n for n in names), (f.name, names)
+        assert not re.search(r"swap|host|offload|tier", src, re.IGNORECASE), f.name
 
 
 def test_swapped_is_a_state_of_its_own():
@@ -232,6 +273,9 @@ def test_swapped_is_a_state_of_its_own():
         ({"preemption_mode": "drop"}, "preemption_mode"),
         ({"swap_space": -1}, "swap_space"),
         ({"kv_offloading_size": "4"}, "kv_offloading_size"),
+        ({"preemption_mode": "swap", "tensor_parallel_size": 2}, "preemption_mode"),
+        ({"kv_offloading_size": 1, "tensor_parallel_size": 2}, "kv_offloading_size"),
+        ({"kv_offloading_size": 1, "enable_prefix_caching": False}, "kv_offloading_size"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(kw, field):
@@ -319,8 +363,6 @@ def test_cli_flags_reach_the_engine_config():
 
 
 def test_swap_with_speculative_decoding_keeps_the_tokens(tiny_path):
-    import hetero_infer  # noqa: F401 (registers the speculators)
-
     ref = run(engine(tiny_path, num_blocks=256), workload())
     eng = engine(
         tiny_path,
@@ -339,7 +381,9 @@ def test_llm_takes_vllm_names(tiny_path):
     from hetero_infer.engine.llm import LLM
 
     llm = LLM(str(tiny_path), **CPU, preemption_mode="swap", swap_space=0.001)
-    assert llm.engine.kv_tier.swap.num_blocks == int(0.001 * 2**30 // BLOCK_BYTES)
-    assert llm.engine.kv_tier.prefix is None and llm.engine.block_manager.host is None
+    tier = tier_of(llm.engine).tier
+    assert tier.swap.num_blocks == int(0.001 * 2**30 // BLOCK_BYTES)
+    assert tier.prefix is None and llm.engine.block_manager.host is None
     plain = LLM(str(tiny_path), **CPU, swap_space=4)  # recompute: no tier is built
-    assert plain.engine.kv_tier is None and plain.engine.scheduler.swap is None
+    assert not any(isinstance(p, KVOffloadPlugin) for p in plain.engine.plugins)
+    assert type(plain.engine.scheduler) is Scheduler

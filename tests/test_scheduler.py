@@ -395,7 +395,7 @@ def test_rescheduling_after_failed_step_is_idempotent():
     state = (
         bm.num_free_blocks(),
         [b.ref_count for b in bm.blocks],
-        dict(bm.cached),
+        dict(bm.cache.cached),
         [list(s.block_table) for s in sch.running],
     )
     assert first.block_copies
@@ -410,7 +410,7 @@ def test_rescheduling_after_failed_step_is_idempotent():
         assert (
             bm.num_free_blocks(),
             [b.ref_count for b in bm.blocks],
-            dict(bm.cached),
+            dict(bm.cache.cached),
             [list(s.block_table) for s in sch.running],
         ) == state
     sch.update(again)
@@ -523,7 +523,7 @@ def test_preempted_fork_group_recomputes_sharing_its_prompt(caching):
     assert (
         peak <= 20
         and sch.block_manager.usage() == 0
-        and not sch._parked
+        and not sch.siblings.parked
         and not sch.block_manager.lent
     )
 
@@ -589,7 +589,7 @@ def test_readmitted_sibling_waits_for_its_leader_then_shares_its_prompt():
     bm = sch.block_manager
     assert (
         [x.seq for x in out.scheduled] == [lead]
-        and sib.seq_id in sch._parked
+        and sib.seq_id in sch.siblings.parked
         and sib.status is RUNNING
     )
     assert sib.block_table[:7] == lead.block_table[:7] and bm.lent[sib.seq_id] == 7
@@ -598,7 +598,7 @@ def test_readmitted_sibling_waits_for_its_leader_then_shares_its_prompt():
     )  # the leader's 8 blocks + the sibling's own last one
     sch.update(out)
     assert (
-        not sch._parked
+        not sch.siblings.parked
         and sib.num_computed_tokens == 28
         and all(bm.blocks[b].ref_count == 2 for b in lead.block_table[:7])
     )
@@ -621,7 +621,7 @@ def test_readmitted_sibling_joins_at_once_when_the_prompt_is_cached():
     sch.add(lead)
     sch.add(sib)
     out = sch.schedule()
-    assert not sch._parked and [(x.seq, x.num_tokens) for x in out.scheduled] == [
+    assert not sch.siblings.parked and [(x.seq, x.num_tokens) for x in out.scheduled] == [
         (lead, 3),
         (sib, 3),
     ]
@@ -635,7 +635,7 @@ def test_finishing_a_leader_sends_its_parked_sibling_back_to_wait():
         list(sch.waiting) == [sib]
         and sib.status is WAITING
         and not sib.block_table
-        and not sch._parked
+        and not sch.siblings.parked
         and not bm.lent
     )
     assert bm.usage() == 0
@@ -652,7 +652,7 @@ def test_aborting_a_group_with_a_parked_sibling_frees_everything(caching):
         bm.num_free_blocks() == bm.num_blocks
         and not bm.lent
         and not bm.seqs
-        and not sch._parked
+        and not sch.siblings.parked
         and not sch.has_unfinished()
     )
 
@@ -963,7 +963,7 @@ def test_group_admission_counts_the_siblings_own_blocks():
     assert (
         [x_.seq for x_ in out.scheduled] == [x]
         and list(sch.waiting) == [lead, sib]
-        and not sch._parked
+        and not sch.siblings.parked
     )
 
 
@@ -976,7 +976,7 @@ def test_sibling_sharing_no_block_gets_no_empty_chunk():
     out = sch.schedule()
     assert (
         [(x.seq, x.num_tokens) for x in out.scheduled] == [(lead, 8)]
-        and not sch._parked
+        and not sch.siblings.parked
         and sib.status is RUNNING
     )
 
@@ -989,14 +989,14 @@ def test_parked_sibling_waits_for_the_leaders_chunks_and_joins_on_the_exact_bloc
         out = sch.schedule()
         assert [(x.seq, x.num_tokens) for x in out.scheduled] == [
             (lead, 8)
-        ] and sib.seq_id in sch._parked
+        ] and sib.seq_id in sch.siblings.parked
         sch.update(out)
-    assert sib.seq_id in sch._parked
+    assert sib.seq_id in sch.siblings.parked
     sch, lead, sib = _group(budget=28)
     sch.add(lead)
     sch.add(sib)
     sch.update(sch.schedule())  # exactly the 7 shared blocks computed
-    assert not sch._parked and sib.num_computed_tokens == 28
+    assert not sch.siblings.parked and sib.num_computed_tokens == 28
     sch, lead, sib = _group(budget=24)
     sch.add(lead)
     sch.add(sib)
@@ -1004,7 +1004,7 @@ def test_parked_sibling_waits_for_the_leaders_chunks_and_joins_on_the_exact_bloc
     out = sch.schedule()  # the leader's last 7 leave budget; the parked sibling takes none
     assert [(x.seq, x.num_tokens) for x in out.scheduled] == [
         (lead, 7)
-    ] and sib.seq_id in sch._parked
+    ] and sib.seq_id in sch.siblings.parked
 
 
 @pytest.mark.parametrize("length,shared", [(32, 7), (33, 8)])
@@ -1021,7 +1021,7 @@ def test_identical_forks_share_every_full_block_but_the_last_tokens(length, shar
     sch.add(lead)
     sch.add(sib)
     sch.schedule()
-    assert sch.block_manager.lent[sib.seq_id] == shared and sib.seq_id in sch._parked
+    assert sch.block_manager.lent[sib.seq_id] == shared and sib.seq_id in sch.siblings.parked
 
 
 def test_partly_cached_prompt_still_parks_the_sibling():
@@ -1039,7 +1039,7 @@ def test_partly_cached_prompt_still_parks_the_sibling():
     out = sch.schedule()
     assert (
         lead.num_cached_tokens == 8
-        and sib.seq_id in sch._parked
+        and sib.seq_id in sch.siblings.parked
         and [x.seq for x in out.scheduled] == [lead]
     )
 
@@ -1072,11 +1072,11 @@ def test_preempting_a_group_with_a_parked_sibling_unparks_it():
         out = sch.schedule()
         if out.preempted:
             break
-        assert sib.seq_id in sch._parked
+        assert sib.seq_id in sch.siblings.parked
         sch.update(out)
         if any(x.seq is y for x in out.scheduled):
             y.append_token(1)
-    assert out.preempted == [lead, sib] and not sch._parked and not sch.block_manager.lent
+    assert out.preempted == [lead, sib] and not sch.siblings.parked and not sch.block_manager.lent
     assert all(
         (s.status, s.num_computed_tokens, s.num_cached_tokens) == (WAITING, 0, 0)
         for s in (lead, sib)
@@ -1090,7 +1090,7 @@ def test_unparked_sibling_is_reset_and_a_finished_parked_sibling_is_forgotten():
     assert (sib.num_computed_tokens, sib.num_cached_tokens) == (0, 0)
     sch, lead, sib, out = readmitted_group()
     sch.finish(sib, SequenceStatus.FINISHED_ABORTED)  # the parked one itself leaves
-    assert not sch._parked and lead.status is RUNNING
+    assert not sch.siblings.parked and lead.status is RUNNING
 
 
 def test_num_logits_is_one_row_for_a_chunk_that_reaches_the_end():

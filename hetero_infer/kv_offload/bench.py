@@ -14,7 +14,7 @@ from ..scheduler.output import SchedulerOutput
 __all__ = ["time_to_resume", "multi_turn"]
 
 
-# %% ../../nbs/17_kv_offload.ipynb #ce1a033c
+# %% ../../nbs/17_kv_offload.ipynb #5cf45362
 def _ids(n: int, vocab: int, seed: int) -> list[int]:
     "`n` random token ids."
     g = torch.Generator().manual_seed(seed)
@@ -29,6 +29,7 @@ def time_to_resume(
     """Preempt one request holding `context_len` tokens of KV and time its way back to the next
     token (median seconds of `repeats`), and the preemption itself (the swap-out copy)."""
     vocab, resume, evict = engine.runner.model.config.vocab_size, [], []
+    tiers = [p for p in engine.plugins if p.name == "kv_offload"]  # the host tier's, when on
     for r in range(repeats):
         rid = f"ttr-{context_len}-{r}"
         engine.add_request(rid, _ids(context_len, vocab, r), SamplingParams(max_tokens=3))
@@ -37,9 +38,9 @@ def time_to_resume(
             engine.step()
         t0 = time.perf_counter()
         out = SchedulerOutput()
-        engine.scheduler._preempt(seq, out)  # as the scheduler would when blocks are short
-        if engine.kv_tier is not None:
-            engine._transfer(out)  # the swap-out copy
+        engine.scheduler.preempt(seq, out)  # as the scheduler does when blocks are short
+        for p in tiers:
+            p.after_schedule(engine, out)  # the swap-out copy
         t1 = time.perf_counter()
         while seq.num_output_tokens < 2:  # swap-in + a decode, or the whole prefill again
             engine.step()
@@ -74,19 +75,25 @@ def multi_turn(
     second = [
         f + a + _ids(question_len, vocab, 300 + i) for i, (f, a) in enumerate(zip(first, answers))
     ]
-    bs, ss = engine.block_manager.stats, engine.scheduler.stats
-    q0, d0, h0, pf0 = bs.cache_queries, bs.cache_hits, bs.host_hits, ss.prefill_tokens
+    before = _counts(engine)
     tokens, ttft, seconds = _round(engine, "b", second, p)
-    q = max(bs.cache_queries - q0, 1)
+    queries, device, host, prefill = (a - b for a, b in zip(_counts(engine), before))
     return dict(
-        device_hit_rate=(bs.cache_hits - d0) / q,
-        host_hit_rate=(bs.host_hits - h0) / q,
-        prefill_tokens=ss.prefill_tokens - pf0,
+        device_hit_rate=device / max(queries, 1),
+        host_hit_rate=host / max(queries, 1),
+        prefill_tokens=prefill,
         mean_ttft_s=statistics.mean(ttft),
         tokens_per_s=sum(len(t) for t in tokens) / seconds,
         seconds=seconds,
         tokens=tokens,
     )
+
+
+def _counts(engine) -> tuple[int, int, int, int]:
+    "Prefix blocks looked up, found on the device, found on the host; prefill tokens so far."
+    st = engine.stats
+    pc, host = st["prefix_cache"], st.get("kv_offload", {}).get("host_prefix_hits", 0)
+    return pc["cache_queries"], pc["cache_hits"], host, engine.scheduler.stats.prefill_tokens
 
 
 def _round(engine, tag: str, prompts: list, p: SamplingParams):

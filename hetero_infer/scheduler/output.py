@@ -11,7 +11,7 @@ from ..core.sequence import Sequence
 __all__ = ["ScheduledSeq", "SchedulerOutput", "SchedulerStats"]
 
 
-# %% ../../nbs/02_scheduler.ipynb #a4106250
+# %% ../../nbs/02_scheduler.ipynb #19ce58eb
 @dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step: how many of its tokens run, and the cache slots their KV goes
@@ -44,16 +44,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     # (src, dst) copy-on-write copies to do before the step
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # sent back to waiting this step (recompute)
+    # preempted this step: back to the front of the waiting queue, to be recomputed
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0  # sum of num_tokens over `scheduled`
-    # 17, the host tier: (device, host) and (host, device) block copies to run before the step
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # swapped-out requests' KV
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # their KV coming back
-    offload: list[tuple[int, int]] = field(default_factory=list)  # evicted prefix blocks
-    reload: list[tuple[int, int]] = field(default_factory=list)  # prefix blocks hit on the host
-    swapped: list[Sequence] = field(default_factory=list)  # swapped out this step
-    resumed: list[Sequence] = field(default_factory=list)  # whose KV comes from the host
 
     @property
     def num_decodes(self) -> int:
@@ -70,11 +63,7 @@ class SchedulerStats:
 
     steps: int = 0  # schedule() calls that scheduled something
     admitted: int = 0  # sequences moved from waiting to running (re-admissions count again)
-    preemptions: int = 0  # sequences preempted (recomputed, or swapped out: 17)
-    swapped_out: int = 0  # of those, swapped to host memory (preemption_mode="swap")
-    swapped_in: int = 0  # swapped-out sequences resumed with their KV copied back
-    recompute_fallbacks: int = 0  # preemptions that asked for swap but recomputed (no room)
-    transfer_failures: int = 0  # steps whose host copies failed (their sequences recompute)
+    preemptions: int = 0  # sequences preempted
     finished: int = 0  # sequences finished by the engine (stop or length)
     aborted: int = 0  # sequences aborted
     rejected: int = 0  # requests refused at `add` because they could never fit
