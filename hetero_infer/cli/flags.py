@@ -13,8 +13,6 @@ from dataclasses import MISSING, fields
 from hetero_infer.core.config import (
     ATTENTION_BACKENDS,
     DTYPES,
-    PREEMPTION_MODES,
-    SPECULATIVE_METHODS,
     EngineConfig,
     ServingConfig,
 )
@@ -94,7 +92,7 @@ ENGINE_FLAGS = {
         "processes one model is split across (tensor parallelism, 13_tensor_parallel)"),
     "enable_expert_parallel": (["--enable-expert-parallel"], bool, None,
         "MoE models: split the experts over the tensor-parallel ranks (16)"),
-    "speculative_method": (["--speculative-method"], str, SPECULATIVE_METHODS,
+    "speculative_method": (["--speculative-method"], str, ("ngram", "draft"),
         "speculative decoding: ngram (prompt lookup) or draft (a smaller model); "
         "12_speculative_decoding (default: off)"),
     "num_speculative_tokens": (["--num-speculative-tokens"], int, None,
@@ -110,7 +108,7 @@ ENGINE_FLAGS = {
     "quantize_lm_head": (["--quantize-lm-head"], bool, None,
         "with --quantization, the embedding and lm_head in int8 too; --no-quantize-lm-head keeps "
         "them in float (0.64x of bf16 instead of 0.50x at Qwen2.5-0.5B, half the KL; 15)"),
-    "preemption_mode": (["--preemption-mode"], str, PREEMPTION_MODES,
+    "preemption_mode": (["--preemption-mode"], str, ("recompute", "swap"),
         "recompute a preempted request's KV, or swap it to host memory (17)"),
     "swap_space": (["--swap-space"], float, None,
         "GiB of host memory for swapped-out KV blocks (with --preemption-mode swap)"),

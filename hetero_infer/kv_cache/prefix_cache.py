@@ -46,9 +46,13 @@ class PrefixCache:
             hashes.append(hash_block(hashes[-1] if hashes else b"", toks[i * bs : (i + 1) * bs]))
         return hashes
 
+    def serves(self, seq: Sequence) -> bool:
+        "Whether `seq` may reuse cached blocks: caching is on, and it does not score its prompt."
+        return self.enabled and seq.params.prompt_logprobs is None  # scoring needs every position
+
     def hits(self, seq: Sequence) -> list[int]:
         "Blocks of `seq`'s longest cached prefix of full blocks, never the block of its last token."
-        if not self.enabled:
+        if not self.serves(seq):
             return []
         bs, toks, ids = self.block_size, seq.token_ids, []
         n = (len(toks) - 1) // bs

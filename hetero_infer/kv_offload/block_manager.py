@@ -39,7 +39,9 @@ class TieredBlockManager(BlockManager):
         on the host are reloaded by copy before the step (their tokens count as computed)."""
         k, bs = len(self.cache.hits(seq)), self.block_size
         fits = not (seq.block_table or seq.seq_id in self.seqs) and self.can_allocate(seq)
-        host = self.host.hits(seq, k, bs) if fits and self.host is not None else []
+        host = []
+        if fits and self.host is not None and self.cache.serves(seq):
+            host = self.host.hits(seq, k, bs)
         super().allocate(seq)  # (refuses, naming why, what does not fit)
         for i, h in enumerate(host, k):
             b = seq.block_table[i]
