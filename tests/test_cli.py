@@ -5,16 +5,17 @@ file work, and `generate` / `serve` resolve their options."""
 import argparse
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
 import pytest
 import torch
-from hetero_infer.cli.flags import build_parser, seed_argv
+from hetero_infer.cli.flags import build_parser, hpi_argv
 from hetero_infer.cli.main import main
 from hetero_infer.cli.config import serve_options, engine_config
-from hetero_infer.cli.flags import ENGINE_FLAGS
+from hetero_infer.cli.flags import ENGINE_FLAGS, CLI_ARGS, COMMANDS
+from hetero_infer.cli.flags import register_cli_args, register_command, register_engine_flags
+from hetero_infer.bench.main import bench_command
 from hetero_infer.core.config import DEMO_MODEL_DIR
 
 SEED_CONFIG = {
@@ -310,7 +311,7 @@ def test_engine_flags_cover_generate_and_serve():
 
 def test_seed_spellings():
     a = build_parser().parse_args(
-        seed_argv(
+        hpi_argv(
             [
                 "--serve",
                 "--max-num-blocks",
@@ -339,7 +340,7 @@ def test_seed_spellings():
     ) == ("serve", 64, 4, 512, 0.8)
     o = serve_options(a)
     assert o["default_sampling"] == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9}
-    a = build_parser().parse_args(seed_argv(["--input", "hello", "--max-tokens", "3"]))
+    a = build_parser().parse_args(hpi_argv(["--input", "hello", "--max-tokens", "3"]))
     assert (a.command, a.input, a.max_tokens) == ("generate", ["hello"], 3)
 
 
@@ -360,7 +361,7 @@ def test_serve_defaults_and_the_seed_config(tmp_path, monkeypatch):
         serving=dict(SEED_CONFIG["serving"], port=3111, model_name="seed-model", host="127.0.0.2"),
     )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    a = build_parser().parse_args(seed_argv(["--serve", "--config", str(tmp_path / "config.json")]))
+    a = build_parser().parse_args(hpi_argv(["--serve", "--config", str(tmp_path / "config.json")]))
     o, c = serve_options(a), engine_config(a)
     assert (o["host"], o["port"], o["served_model_name"]) == ("127.0.0.2", 3111, "seed-model")
     assert (c.num_blocks, c.max_num_seqs, c.max_num_batched_tokens, c.memory_threshold) == (
@@ -417,7 +418,7 @@ def test_generate_on_the_demo_model_through_the_console_script():
     )
 
 
-# Issue 29: each item through the installed command, in a fresh process, as a user meets it.
+# Through the installed command, in a fresh process, as a user meets it.
 HETERO_INFER = os.path.join(os.path.dirname(sys.executable), "hetero-infer")
 
 
@@ -436,7 +437,7 @@ def run_installed(argv, stdin=b"", env=None, timeout=300, cmd=None):
 
 
 def test_prompts_lose_their_line_endings():
-    "Item 4: `\\r\\n` (and a lone `\\r`) on stdin or in --input is not part of the prompt."
+    "`\\r\\n` (and a lone `\\r`) on stdin or in --input is not part of the prompt."
     code, out, err = run_installed(
         ["generate", "--chat", "--max-tokens", "8", "--json"],
         stdin=b"reverse: a b c\r\n\r\nreverse: d e f\r",
@@ -454,7 +455,7 @@ def test_prompts_lose_their_line_endings():
 
 
 def test_prompt_bytes_that_are_not_utf8_exit_2():
-    "Item 8: non-UTF-8 bytes in an argument or on stdin: exit 2 naming where they were."
+    "Non-UTF-8 bytes in an argument or on stdin: exit 2 naming where they were."
     code, _, err = run_installed([b"generate", b"caf\xe9", b"--max-tokens", b"2"])
     assert code == 2 and error_line(err).startswith("hetero-infer: error: prompts: not UTF-8")
     code, _, err = run_installed([b"generate", b"--input", b"\xff\xfe"])
@@ -464,7 +465,7 @@ def test_prompt_bytes_that_are_not_utf8_exit_2():
 
 
 def test_home_relative_paths(tmp_path):
-    'Item 9: `--model=~/m`, `--tokenizer=\'~/m\'` and a config\'s `"model": "~/m"` all load.'
+    '`--model=~/m`, `--tokenizer=\'~/m\'` and a config\'s `"model": "~/m"` all load.'
     os.symlink(DEMO_MODEL_DIR, tmp_path / "m")
     home = {"HOME": str(tmp_path)}
     argv = ["generate", "--chat", "reverse: a b c", "--max-tokens", "8", "--json"]
@@ -479,7 +480,7 @@ def test_home_relative_paths(tmp_path):
 
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_demo_refuses_no_prompts(n):
-    "Item 10: `demo --num-prompts 0` (was ZeroDivisionError) and -1 (was exit 0) name the flag."
+    "`demo --num-prompts 0` and -1 name the flag."
     code, _, err = run_installed(["demo", "--num-prompts", n])
     assert code == 2 and error_line(err) == (
         f"hetero-infer: error: --num-prompts: must be >= 1, got {n}"
@@ -487,7 +488,7 @@ def test_demo_refuses_no_prompts(n):
 
 
 def test_config_that_is_not_a_json_object_or_not_utf8(tmp_path):
-    "Item 11: a JSON string is not a path to follow; bad bytes name --config and the file."
+    "A JSON string is not a path to follow; bad bytes name --config and the file."
     (tmp_path / "other.json").write_text(json.dumps({"block_size": 8}))
     cfg = tmp_path / "string.json"
     cfg.write_text(json.dumps(str(tmp_path / "other.json")))
@@ -504,7 +505,7 @@ def test_config_that_is_not_a_json_object_or_not_utf8(tmp_path):
 
 
 def test_host_that_does_not_resolve_names_host():
-    "Item 13: `serve --host 999.1.1.1` blames --host, not --port."
+    "`serve --host 999.1.1.1` blames --host, not --port."
     code, _, err = run_installed(["serve", "--host", "999.1.1.1"])
     assert code == 2 and error_line(err).startswith(
         "hetero-infer: error: --host: '999.1.1.1' does not resolve"
@@ -513,7 +514,7 @@ def test_host_that_does_not_resolve_names_host():
 
 @pytest.mark.parametrize("module", ["hetero_infer", "hetero_infer.cli.main"])
 def test_python_dash_m_runs_the_command(module):
-    "Item 16: `python -m hetero_infer[.cli] ...` is the command (it exited 0 doing nothing)."
+    "`python -m hetero_infer[.cli.main] ...` is the command."
     code, _, err = run_installed(["demo", "--num-prompts", "0"], cmd=[sys.executable, "-m", module])
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --num-prompts")
     code, out, _ = run_installed(["--help"], cmd=[sys.executable, "-m", module])
@@ -521,7 +522,7 @@ def test_python_dash_m_runs_the_command(module):
 
 
 def test_cors_flags():
-    "Item 17 (the CLI half): vLLM's --allowed-origins/methods/headers, JSON lists, reach serve."
+    "vLLM's --allowed-origins/methods/headers, JSON lists, reach serve."
     a = build_parser().parse_args(
         ["serve", "--allowed-origins", '["https://a.example"]', "--allowed-headers", "[]"]
     )
@@ -535,7 +536,7 @@ def test_cors_flags():
 
 
 def test_cors_preflight_through_the_command():
-    "Item 17 end to end: a browser's preflight to a `serve --allowed-origins ...` is allowed."
+    "End to end: a browser's preflight to a `serve --allowed-origins ...` is allowed."
     import httpx
     import time
 
@@ -574,41 +575,70 @@ def test_cors_preflight_through_the_command():
         proc.wait(timeout=60)
 
 
-# ------------------------------------------- 14_structured_outputs and 15_quantization flags
+# ------------------------------------------- how later chapters plug into the command line
 
 
-def test_generate_structured_flags(tmp_path, capsys):
-    """--json-schema/--regex/--choice/--grammar constrain every completion (demo model, sampled at
-    temperature 1); a bad spec or an unreadable file exits 2 naming its flag."""
-    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
-    (tmp_path / "s.json").write_text(json.dumps(schema))
-    (tmp_path / "g.ebnf").write_text('root ::= "a" | "b" "c"')
-    base = ["generate", "--chat", "--temperature", "1", "--max-tokens", "40", "--json"]
-    for flags, ok in [
-        (["--json-schema", str(tmp_path / "s.json")], lambda t: json.loads(t)["n"] in (1, 2, 3)),
-        (["--regex", "[0-9]{3}"], lambda t: re.fullmatch("[0-9]{3}", t)),
-        (["--choice", "yes", "no"], lambda t: t in ("yes", "no")),
-        (["--grammar", str(tmp_path / "g.ebnf")], lambda t: t in ("a", "bc")),
-    ]:
-        assert main(base + ["sort: b a", "x"] + flags) == 0  # --choice takes every word after it
-        for line in capsys.readouterr().out.splitlines():
-            assert all(ok(t) for t in json.loads(line)["completions"]), (flags, line)
-    for flags, where in [
-        (["--regex", "("], "--regex: regex:"),
-        (["--json-schema", str(tmp_path / "missing.json")], "--json-schema: cannot read"),
-        (["--grammar", str(tmp_path / "s.json")], "--grammar: grammar:"),
-    ]:
-        assert main(["generate", *flags, "x"]) == 2
-        assert where in capsys.readouterr().err
+def test_bench_is_a_registered_command():
+    assert COMMANDS["bench"][1] is bench_command
+    assert "bench" in build_parser().format_help()
+    assert hpi_argv(["bench", "offline"]) == ["bench", "offline"]
 
 
-def test_serve_tool_call_parser_and_quantization_flags():
-    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
-    assert serve_options(args)["tool_call_parser"] == "llama3_json"
-    assert "tool_call_parser" not in serve_options(build_parser().parse_args(["serve"]))
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
-    argv = ["generate", "--quantization", "int8", "--kv-cache-dtype", "fp8"]
-    args = build_parser().parse_args(argv)
-    cfg = engine_config(args)
-    assert (cfg.quantization, cfg.kv_cache_dtype) == ("int8", "fp8")
+def test_core_engine_flags_only():
+    "The table holds the core chapters' fields; a later chapter's field has a flag once registered."
+    core = {"model", "tokenizer", "dtype", "device", "attention_backend", "block_size"}
+    core |= {"num_blocks", "gpu_memory_utilization", "memory_threshold", "max_num_seqs"}
+    core |= {"max_admitted_seqs", "max_num_batched_tokens", "max_model_len", "seed"}
+    core |= {"enable_prefix_caching", "enable_chunked_prefill", "max_retry_attempts"}
+    assert core <= set(ENGINE_FLAGS)
+    with pytest.raises(ValueError, match="not EngineConfig fields"):
+        register_engine_flags({"no_such_field": (["--x"], int, None, "x")})
+
+
+def test_register_cli_args_reaches_generate_and_serve(capsys, monkeypatch):
+    """A later chapter's own flag of `generate` becomes a SamplingParams keyword, one of `serve` a
+    server keyword; a bad value raised by `apply` as a UsageError exits 2 naming the flag."""
+    from hetero_infer.cli.flags import UsageError
+
+    def add_generate(p):
+        p.add_argument("--stop-at", default=None, help="a stop string (default: none)")
+
+    def apply_generate(args, kw):
+        if args.stop_at == "":
+            raise UsageError("--stop-at", "must not be empty")
+        if args.stop_at is not None:
+            kw["stop"] = [args.stop_at]
+
+    def add_serve(p):
+        p.add_argument("--banner", default=None, help="a banner (default: none)")
+
+    monkeypatch.setitem(CLI_ARGS, "generate", [])
+    monkeypatch.setitem(CLI_ARGS, "serve", [])
+    register_cli_args("generate", add_generate, apply_generate)
+    register_cli_args("serve", add_serve, lambda args, kw: kw.update(banner=args.banner))
+    argv = ["generate", "--chat", "--max-tokens", "8", "--json", "reverse: a b c", "--stop-at", "b"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["completions"] == ["c "]
+    code, err = run_main(capsys, "generate", "x", "--stop-at", "")
+    assert code == 2 and error_line(err) == "hetero-infer: error: --stop-at: must not be empty"
+    assert serve_options(build_parser().parse_args(["serve", "--banner", "hi"]))["banner"] == "hi"
+    with pytest.raises(ValueError, match="command must be one of"):
+        register_cli_args("bench", add_serve, apply_generate)
+
+
+def test_register_command_runs_through_main(capsys, monkeypatch):
+    def add_parser(sub):
+        sub.add_parser("hello", help="say hello (default: -)").add_argument("--fail", type=int)
+
+    def run(args):
+        if args.fail:
+            raise ValueError("--fail: asked to")
+        print("hello")
+        return 0
+
+    monkeypatch.setitem(COMMANDS, "hello", (add_parser, run))
+    assert main(["hello"]) == 0 and capsys.readouterr().out == "hello\n"
+    code, err = run_main(capsys, "hello", "--fail", "1")
+    assert code == 2 and error_line(err) == "hetero-infer: error: --fail: asked to"
+    with pytest.raises(ValueError, match="own commands"):
+        register_command("generate", add_parser, run)

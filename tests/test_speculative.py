@@ -1,7 +1,8 @@
 """Speculative decoding (12_speculative_decoding): greedy output with either proposer equals greedy
 output without it, for every family and under prefix caching, chunked prefill, preemption and
 stop strings; sampled output keeps the target's distribution (chi-square against the exact
-distribution); blocks all come back, and the prefix cache holds only KV of accepted tokens."""
+distribution); blocks all come back, the prefix cache holds only KV of accepted tokens, and a
+failed step is retried with its proposals taken back."""
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from hetero_infer.sample.sampler import Sampler, sampling_probs
 from hetero_infer.core.sequence import Sequence
 from hetero_infer.spec_decode.proposers import ngram_propose, truncated_draft
+from hetero_infer.spec_decode.speculator import Speculator, speculative_metrics
+from hetero_infer.engine.plugins import PLUGINS
 from hetero_infer.core.config import DEMO_MODEL_DIR
 from hetero_infer.demo.task import format_prompt
 
@@ -404,11 +407,12 @@ def test_verification_through_the_triton_backend():
     assert llm.engine.stats["speculative"]["num_accepted_tokens"] > 0
 
 
-# --- issue 29 item 1: proposals trimmed by the budget, the cache or n > 1 ---
+# --- proposals trimmed by the budget, the cache or n > 1 ---
 
 
 def test_draft_speculation_with_a_small_budget_does_not_crash():
-    "The reported cases: the draft's sync left every draft token computed, then asked for 0 slots."
+    """A budget or a cache too small for every proposal: the draft's sync must still feed its last
+    token again (never ask for 0 slots)."""
     d, sp = str(DEMO_MODEL_DIR), SamplingParams(temperature=0, max_tokens=12)
     prompts = [[1, 5, 6, 7], [1, 8, 9, 10]]
     plain = LLM(d, **CPU, num_blocks=64).generate(prompts, sp, use_tqdm=False)
@@ -458,3 +462,79 @@ def test_trimmed_proposals_keep_greedy_output(family_ckpt, method):
         for p, o in zip(prompts, got):
             assert [c.token_ids for c in o.outputs] == [plain[tuple(p)]] * n
         assert llm.engine.block_manager.num_free_blocks() == llm.engine.config.num_blocks
+
+
+def test_the_plugin_is_registered_and_off_by_default():
+    assert Speculator in PLUGINS
+    assert Speculator.create(EngineConfig()) is None
+    llm = demo()
+    assert "speculative" not in llm.engine.stats
+    assert not any(isinstance(p, Speculator) for p in llm.engine.plugins)
+
+
+def test_a_failed_step_takes_its_proposals_back_and_the_retry_gives_the_same_output():
+    """The forward pass raises once in a speculating step: the step's proposals leave the
+    sequences before the retry, and the output is the run without the failure."""
+    q = [format_prompt("sort: a b c d e f g h"), format_prompt("reverse: a b c d")]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    want = [o.outputs[0].token_ids for o in demo().generate(q, sp, use_tqdm=False)]
+    llm = demo(speculative_method="ngram", num_speculative_tokens=4)
+    eng = llm.engine
+    spec = next(p for p in eng.plugins if isinstance(p, Speculator))
+    seen = []
+
+    def boom(module, args):
+        if spec.proposals.seqs and not seen:  # the first forward pass with proposals in it
+            seen.append({s.seq_id: list(s.token_ids) for s in spec.proposals.seqs.values()})
+            raise RuntimeError("injected")
+
+    hook = eng.runner.model.register_forward_pre_hook(boom)
+    try:
+        got = llm.generate(q, sp, use_tqdm=False)
+    finally:
+        hook.remove()
+    assert seen and seen[0], "the failing step carried proposals"
+    assert not spec.proposals.seqs and eng.counters["failed_steps"] == 1
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert eng.block_manager.num_free_blocks() == eng.config.num_blocks
+
+
+def test_the_metrics_lines():
+    llm = demo(speculative_method="ngram", num_speculative_tokens=4)
+    llm.generate([format_prompt("sort: a b c d e f g h")], SamplingParams(max_tokens=12))
+    sp = llm.engine.stats["speculative"]
+    lines = {n: v for n, _, v in speculative_metrics(llm.engine.stats, *[lambda *a: a] * 2)}
+    assert lines == {
+        "spec_decode_num_drafts": sp["num_drafts"],
+        "spec_decode_num_draft_tokens": sp["num_draft_tokens"],
+        "spec_decode_num_accepted_tokens": sp["num_accepted_tokens"],
+        "spec_decode_acceptance_rate": sp["acceptance_rate"],
+        "spec_decode_mean_accepted_length": sp["mean_accepted_length"],
+    }
+    assert sp["num_drafts"] > 0
+
+
+def test_the_flags_of_generate_and_bench(capsys):
+    """`generate` speculates with its flags (same output, a bad value exits 2 naming the flag), and
+    `bench offline` times ours with speculation against ours without it."""
+    import json
+
+    from hetero_infer.bench.main import main as bench_main
+    from hetero_infer.cli.main import main
+
+    base = ["generate", "--chat", "--max-tokens", "12", "--json", "sort: a b c d e f"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--speculative-method", "ngram", "--num-speculative-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out) == plain
+    assert main(base + ["--num-speculative-tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hetero-infer: error: --num-speculative-tokens: num_speculative_tokens")
+    argv = ["offline", "--num-requests", "4", "--input-len", "4,8", "--output-len", "4,8"]
+    argv += ["--peers", "", "--repeats", "1", "--warmup", "0", "--speculative-method", "ngram"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "hetero_infer without speculative_method=ngram" in out
+    assert "speculative: acceptance_rate" in out
+    assert bench_main(["offline", "--speculative-method", "ngram", "--prompt-lookup-min", "0"]) == 2
+    assert "--prompt-lookup-min: prompt_lookup_min" in capsys.readouterr().err

@@ -287,7 +287,7 @@ def prefill_time(engine, tokens: int, repeats: int = 3, warmup: int = 1) -> Timi
     return measure(run, repeats, warmup, device_sync(engine.runner.device))
 
 
-# %% ../../nbs/11_benchmarks.ipynb #0fb0b34d
+# %% ../../nbs/11_benchmarks.ipynb #10a0ac6d
 PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "output", "other")
 
 
@@ -320,7 +320,7 @@ def profile_phases(engine):
         (engine.runner.model, "forward", "forward"),
         (engine.runner.model, "compute_logits", "forward"),
         (engine, "sampler", "sample"),
-        (engine, "_output", "output"),
+        (engine.output, "output", "output"),
     ]:
         _wrap(obj, name, acc, phase, undo)
 
@@ -331,14 +331,15 @@ def profile_phases(engine):
 
     for req in engine.requests.values():
         wrap_detok(req)
-    track = engine._track
+    track = engine.output.track_request
 
-    def tracked(req, seq):
-        track(req, seq)
+    def tracked(seq, text):  # a new request's detokenizer is timed too
+        req = track(seq, text)
         wrap_detok(req)
+        return req
 
-    engine._track = tracked
-    undo.append(lambda: delattr(engine, "_track"))
+    engine.output.track_request = tracked
+    undo.append(lambda: delattr(engine.output, "track_request"))
     step = engine.step
 
     def timed_step():

@@ -119,7 +119,7 @@ def serve_metrics(
     }
 
 
-# %% ../../nbs/11_benchmarks.ipynb #9415d909
+# %% ../../nbs/11_benchmarks.ipynb #c1284873
 async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> None:
     rec.sent = time.perf_counter()
     try:
@@ -202,6 +202,7 @@ def run_load(
     )
 
 
+# %% ../../nbs/11_benchmarks.ipynb #28b41207
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -276,7 +277,7 @@ def served_model(url: str, api_key: str | None = None) -> str:
     return r.json()["data"][0]["id"]
 
 
-# %% ../../nbs/11_benchmarks.ipynb #bb8dc327
+# %% ../../nbs/11_benchmarks.ipynb #04a144da
 def serve_bench(
     url: str | None,
     wl: Workload,
@@ -321,6 +322,7 @@ def serve_bench(
     }
 
 
+# %% ../../nbs/11_benchmarks.ipynb #a09d7cf9
 def format_serve(res: dict) -> str:
     "The serve result as a table: one row per rate."
     w = res["workload"]

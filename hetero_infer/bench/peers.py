@@ -18,7 +18,6 @@ from .vllm import vllm_peer, vllm_spec
 # %% auto #0
 __all__ = [
     "PEERS",
-    "KV_OFFLOAD_KEYS",
     "ours_job",
     "run_ours",
     "hf_static_job",
@@ -27,6 +26,11 @@ __all__ = [
     "hf_cb_manager",
     "hf_cb_job",
     "run_hf_cb",
+    "ours_jobs",
+    "sweep_sizes",
+    "hf_static_jobs",
+    "open_peer_jobs",
+    "offline_rows",
     "offline_bench",
     "format_offline",
 ]
@@ -180,7 +184,7 @@ def run_hf_cb(mgr, wl: Workload, repeats: int = 3, warmup: int = 1, timeout: flo
     return measure(hf_cb_job(mgr, wl, timeout), repeats, warmup)
 
 
-# %% ../../nbs/11_benchmarks.ipynb #7fc6e120
+# %% ../../nbs/11_benchmarks.ipynb #6675ff2d
 PEERS = ("hf-static", "hf-best", "hf-cb", "vllm")
 
 
@@ -195,17 +199,112 @@ def _row(name, key, timing: Timing, wl: Workload, **extra) -> dict:
     }
 
 
-KV_OFFLOAD_KEYS = ("preemption_mode", "swap_space", "kv_offloading_size")  # 17's host tier
+def ours_jobs(model_dir, wl: Workload, common: dict, features: dict | None):
+    """Ours with `features` (engine fields), and ours-plain without them when there are some:
+    `(llm, plain or None, jobs)`."""
+    from hetero_infer.engine.llm import LLM
+
+    llm = LLM(str(model_dir), **common, **(features or {}))
+    jobs = {"ours": ours_job(llm, wl)}
+    plain = LLM(str(model_dir), **common) if features else None
+    if plain is not None:
+        jobs["ours-plain"] = ours_job(plain, wl)
+    return llm, plain, jobs
 
 
-def _plain_label(extra: dict) -> str:
-    "What ours-plain runs without: speculative decoding and/or quantization (15)."
-    parts = ["speculative decoding"] if extra.get("speculative_method") else []
-    parts += [f"{k}={v}" for k, v in extra.items() if k in ("quantization", "kv_cache_dtype")]
-    parts += [f"{k}={v}" for k, v in extra.items() if k in KV_OFFLOAD_KEYS]  # 17
-    return ", ".join(parts)
+def sweep_sizes(max_num_seqs: int, num_requests: int) -> list[int]:
+    "The batch sizes the hf-best sweep tries besides max_num_seqs: a quarter, a half, twice, all."
+    cands = (max_num_seqs // 4, max_num_seqs // 2, max_num_seqs * 2, num_requests)
+    return sorted({b for b in cands if 1 <= b <= num_requests} - {max_num_seqs})
 
 
+def hf_static_jobs(hf, wl: Workload, peers, max_num_seqs: int, sizes, warmup: int, log):
+    """transformers generate at equal batch, and at the best batch of a sweep (one warmed-up run
+    each, so the best is then timed in turns too): `(jobs, best, sweep seconds)`."""
+    jobs, best, sweep = {}, max_num_seqs, None
+    if "hf-static" in peers or "hf-best" in peers:
+        log(f"transformers generate, static batches of {max_num_seqs} ...")
+        jobs["hf-static"] = hf_static_job(hf, wl, max_num_seqs)
+    if "hf-best" in peers:
+        for _ in range(warmup):
+            jobs["hf-static"]()
+        sweep = {max_num_seqs: run_hf_static(hf, wl, max_num_seqs, 1, 0).median}
+        for b in sizes or sweep_sizes(max_num_seqs, len(wl)):
+            log(f"transformers generate sweep: batch {b} (1 run) ...")
+            sweep[b] = run_hf_static(hf, wl, b, 1, 0).median
+        best = min(sweep, key=sweep.get)
+        if best != max_num_seqs:
+            jobs["hf-best"] = hf_static_job(hf, wl, best)
+            if "hf-static" not in peers:
+                del jobs["hf-static"]
+    return jobs, best, sweep
+
+
+# %% ../../nbs/11_benchmarks.ipynb #84d43fc7
+def open_peer_jobs(stack, peers, hf, wl: Workload, model_dir, settings: dict, vllm_python, log):
+    """The peers that hold something open while they are timed (entered into `stack`): transformers'
+    continuous batching and vLLM. `(jobs, vLLM's info or why it is missing)`."""
+    s, jobs = settings, {}
+    if "hf-cb" in peers:
+        log("transformers continuous batching ...")
+        cbc = hf_cb_config(
+            s["max_num_seqs"],
+            s["max_num_batched_tokens"],
+            s["block_size"],
+            s["num_blocks"],
+            s["enable_prefix_caching"],
+        )
+        jobs["hf-cb"] = hf_cb_job(stack.enter_context(hf_cb_manager(hf, cbc)), wl)
+    if "vllm" not in peers:
+        return jobs, "not asked for (--peers)"
+    threads = torch.get_num_threads()  # ours runs in this process; vLLM's worker gets as many
+    keys = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "enable_prefix_caching")
+    kw = {k: s[k] for k in keys}
+    spec = vllm_spec(model_dir, wl.prompts, wl.output_lens, dtype=s["dtype"], threads=threads, **kw)
+    vjob, vinfo = vllm_peer(stack, spec, vllm_python, log)
+    if vjob is None:
+        log(f"vllm: not available: {vinfo}; reporting the other systems")
+    else:
+        jobs["vllm"] = vjob
+    return jobs, vinfo
+
+
+# %% ../../nbs/11_benchmarks.ipynb #b18ad567
+def offline_rows(t: dict, wl: Workload, peers, settings: dict, extra: dict) -> list[dict]:
+    """One row per system timed (`t`: name -> Timing), in the table's order, each with its
+    tokens/s and ours ÷ it. `extra`: features, ours' plugin stats, best and sweep, vLLM's info."""
+    B, f = settings["max_num_seqs"], extra.get("features") or {}
+    given = ", ".join(f"{k}={v}" for k, v in f.items())
+    name = f"hetero_infer (continuous batching, max_num_seqs={B}{', ' * bool(given)}{given})"
+    plugins = extra.get("plugins") or {}  # ours' plugins' counters, e.g. acceptance rates
+    rows = [
+        _row(name, "ours", t["ours"], wl, batch_size=B, **({"plugins": plugins} if plugins else {}))
+    ]
+    if "ours-plain" in t:
+        name = f"hetero_infer without {given} (max_num_seqs={B})"
+        rows.append(_row(name, "ours-plain", t["ours-plain"], wl, batch_size=B))
+    if "hf-static" in peers:
+        name = f"transformers generate, static batches of {B} (equal batch)"
+        rows.append(_row(name, "hf-static", t["hf-static"], wl, batch_size=B))
+    if "hf-best" in peers:
+        best, sweep = extra["best"], extra["sweep"]
+        name = f"transformers generate, static batches of {best} (best of sweep {sorted(sweep)})"
+        sweep_s = {str(k): v for k, v in sorted(sweep.items())}
+        timing = t.get("hf-best", t.get("hf-static"))
+        rows.append(_row(name, "hf-best", timing, wl, batch_size=best, sweep_s=sweep_s))
+    if "hf-cb" in peers:
+        name = f"transformers continuous batching, max_requests_per_batch={B}"
+        rows.append(_row(name, "hf-cb", t["hf-cb"], wl, batch_size=B))
+    if "vllm" in t:
+        v = extra["vllm"]
+        name = f"vLLM {v['vllm']} CPU build, max_num_seqs={B}, {torch.get_num_threads()} threads"
+        rows.append(_row(name, "vllm", t["vllm"], wl, batch_size=B, vllm=v))
+    for r in rows:
+        r["ours_over_this"] = rows[0]["output_tok_s"] / r["output_tok_s"]
+    return rows
+
+
+# %% ../../nbs/11_benchmarks.ipynb #b0a9d4cf
 def offline_bench(
     model_dir,
     wl: Workload,
@@ -221,183 +320,46 @@ def offline_bench(
     warmup: int = 1,
     peers=PEERS,
     hf_batch_sizes: list[int] | None = None,
-    tensor_parallel_size: int = 1,
-    # e.g. {"speculative_method": "ngram", "num_speculative_tokens": 3}: ours speculates, and ours
-    # without it is timed too
-    speculative: dict | None = None,
+    # engine fields of later chapters' features (the flags they register for `bench`): ours runs
+    # with them, and ours without them ("ours-plain") is timed too
+    features: dict | None = None,
     vllm_python: str
     | None = None,  # an interpreter with vLLM (else vLLM in-process, if it imports)
     log=print,
     attention_backend: str = "auto",  # ours only (EngineConfig.attention_backend)
 ) -> dict:
     "Ours against transformers (static batches, continuous batching) and vLLM, timed in turns."
-    from hetero_infer.engine.llm import LLM
-
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
-    common = dict(
-        device=device,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        enable_prefix_caching=enable_prefix_caching,
-        tensor_parallel_size=tensor_parallel_size,
-        attention_backend=attention_backend,
-    )
-    llm = LLM(str(model_dir), **common, **(speculative or {}))
+    common = dict(device=device, dtype=dtype, max_num_seqs=max_num_seqs, block_size=block_size)
+    common |= dict(max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks)
+    common |= dict(enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend)
+    llm, plain, jobs = ours_jobs(model_dir, wl, common, features)
     cfg = llm.engine.config
+    settings = {**common, "num_blocks": cfg.num_blocks, "max_model_len": cfg.max_model_len}
     log(f"ours: max_num_seqs={max_num_seqs}, {len(wl)} requests ...")
-    jobs = {"ours": ours_job(llm, wl)}
-    if speculative:
-        plain = LLM(str(model_dir), **common)
-        jobs["ours-plain"] = ours_job(plain, wl)
     hf = _hf_model(model_dir, device, dtype) if set(peers) - {"vllm"} else None
-    best, sweep = max_num_seqs, None
-    if "hf-static" in peers or "hf-best" in peers:
-        log(f"transformers generate, static batches of {max_num_seqs} ...")
-        jobs["hf-static"] = hf_static_job(hf, wl, max_num_seqs)
-    # the sweep picks the batch size first (one warmed-up run each): the best is timed in turns too
-    if "hf-best" in peers:
-        sizes = hf_batch_sizes or sorted(
-            {
-                b
-                for b in (max_num_seqs // 4, max_num_seqs // 2, max_num_seqs * 2, len(wl))
-                if 1 <= b <= len(wl)
-            }
-            - {max_num_seqs}
-        )
-        for _ in range(warmup):
-            jobs["hf-static"]()
-        sweep = {max_num_seqs: run_hf_static(hf, wl, max_num_seqs, 1, 0).median}
-        for b in sizes:
-            log(f"transformers generate sweep: batch {b} (1 run) ...")
-            sweep[b] = run_hf_static(hf, wl, b, 1, 0).median
-        best = min(sweep, key=sweep.get)
-        if best != max_num_seqs:
-            jobs["hf-best"] = hf_static_job(hf, wl, best)
-        if best != max_num_seqs and "hf-static" not in peers:
-            del jobs["hf-static"]
+    hf_jobs, best, sweep = hf_static_jobs(hf, wl, peers, max_num_seqs, hf_batch_sizes, warmup, log)
     with contextlib.ExitStack() as stack:
-        if "hf-cb" in peers:
-            log("transformers continuous batching ...")
-            cbc = hf_cb_config(
-                max_num_seqs,
-                max_num_batched_tokens,
-                block_size,
-                cfg.num_blocks,
-                enable_prefix_caching,
-            )
-            jobs["hf-cb"] = hf_cb_job(stack.enter_context(hf_cb_manager(hf, cbc)), wl)
-        vinfo = "not asked for (--peers)"
-        if "vllm" in peers:
-            threads = torch.get_num_threads()  # ours in this process; vLLM's worker gets as many
-            spec = vllm_spec(
-                model_dir,
-                wl.prompts,
-                wl.output_lens,
-                dtype=dtype,
-                threads=threads,
-                max_num_seqs=max_num_seqs,
-                max_model_len=cfg.max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching,
-            )
-            vjob, vinfo = vllm_peer(stack, spec, vllm_python, log)
-            if vjob is None:
-                log(f"vllm: not available: {vinfo}; reporting the other systems")
-            else:
-                jobs["vllm"] = vjob
+        more, vinfo = open_peer_jobs(stack, peers, hf, wl, model_dir, settings, vllm_python, log)
         # ours, theirs, ours, theirs, ...
-        t = measure_interleaved(jobs, repeats, warmup, device_sync(device))
-    tp = f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
-    sd = ", ".join(f"{k}={v}" for k, v in (speculative or {}).items() if v is not None)
-    sd = ", " + sd if sd else ""
-    rows = [
-        _row(
-            f"hetero_infer (continuous batching, max_num_seqs={max_num_seqs}{tp}{sd})",
-            "ours",
-            t["ours"],
-            wl,
-            batch_size=max_num_seqs,
-            **(
-                {"speculative": llm.engine.stats["speculative"]}
-                if (speculative or {}).get("speculative_method")
-                else {}
-            ),
-        )
-    ]
-    if speculative:
-        rows.append(
-            _row(
-                f"hetero_infer without {_plain_label(speculative)} "
-                f"(max_num_seqs={max_num_seqs}{tp})",
-                "ours-plain",
-                t["ours-plain"],
-                wl,
-                batch_size=max_num_seqs,
-            )
-        )
-        plain.close()
-    if "hf-static" in peers:
-        rows.append(
-            _row(
-                f"transformers generate, static batches of {max_num_seqs} (equal batch)",
-                "hf-static",
-                t["hf-static"],
-                wl,
-                batch_size=max_num_seqs,
-            )
-        )
-    if "hf-best" in peers:
-        rows.append(
-            _row(
-                f"transformers generate, static batches of {best} (best of sweep {sorted(sweep)})",
-                "hf-best",
-                t.get("hf-best", t["hf-static"]),
-                wl,
-                batch_size=best,
-                sweep_s={str(k): v for k, v in sorted(sweep.items())},
-            )
-        )
-    if "hf-cb" in peers:
-        rows.append(
-            _row(
-                f"transformers continuous batching, max_requests_per_batch={max_num_seqs}",
-                "hf-cb",
-                t["hf-cb"],
-                wl,
-                batch_size=max_num_seqs,
-            )
-        )
-    if "vllm" in t:
-        v = f"vLLM {vinfo['vllm']} CPU build, max_num_seqs={max_num_seqs}, {threads} threads"
-        rows.append(_row(v, "vllm", t["vllm"], wl, batch_size=max_num_seqs, vllm=vinfo))
-    ours = rows[0]["output_tok_s"]
-    for r in rows:
-        r["ours_over_this"] = ours / r["output_tok_s"]
-    llm.close()  # stops tensor-parallel workers, if any
+        t = measure_interleaved(jobs | hf_jobs | more, repeats, warmup, device_sync(device))
+    plugins = {p.name: s for p in llm.engine.plugins if (s := p.stats(llm.engine))}
+    extra = dict(features=features, plugins=plugins, best=best, sweep=sweep, vllm=vinfo)
+    rows = offline_rows(t, wl, peers, settings, extra)
+    for e in (llm, plain):
+        if e is not None:
+            e.close()  # stops what a plugin started (worker processes)
+    config = {k: settings[k] for k in ("device", "dtype", "max_num_seqs", "max_num_batched_tokens")}
+    config |= {k: settings[k] for k in ("block_size", "num_blocks", "max_model_len")}
+    config |= dict(enable_prefix_caching=enable_prefix_caching, repeats=repeats, warmup=warmup)
     return {
         "benchmark": "offline",
         "machine": machine_info(device),
         "model": str(model_dir),
         "workload": wl.describe(),
-        "config": {
-            "device": device,
-            "dtype": dtype,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "block_size": block_size,
-            "num_blocks": cfg.num_blocks,
-            "max_model_len": cfg.max_model_len,
-            "enable_prefix_caching": enable_prefix_caching,
-            "repeats": repeats,
-            "warmup": warmup,
-            "tensor_parallel_size": tensor_parallel_size,
-            **(speculative or {}),
-        },
+        "config": config | (features or {}),
         "vllm": vinfo,
         "results": rows,
     }
@@ -422,10 +384,10 @@ def format_offline(res: dict) -> str:
             f"{r['system']:<88} {r['output_tok_s']:>10.0f} {r['total_tok_s']:>11.0f} "
             f"{format_seconds(t['median_s']):>10} {t['spread']:>7.0%} {r['ours_over_this']:>8.2f}x"
         )
-        if "speculative" in r:
-            s = r["speculative"]
-            lines.append(
-                f"  speculative decoding: acceptance rate {s['acceptance_rate']:.0%}, "
-                f"{s['mean_accepted_length']:.2f} tokens per verification"
-            )
+        lines += [f"  {k}: {_rates(s)}" for k, s in r.get("plugins", {}).items() if _rates(s)]
     return "\n".join(lines)
+
+
+def _rates(stats: dict) -> str:
+    "A plugin's fractional counters (rates, means) in one line, e.g. its acceptance rate."
+    return ", ".join(f"{k} {v:.2f}" for k, v in stats.items() if isinstance(v, float))
