@@ -123,7 +123,7 @@ def free_tail_blocks(bm: BlockManager, seq: Sequence, keep: int) -> None:
     to (never published)."""
     t = seq.block_table
     for b in reversed(t[keep:]):
-        bm._release(b)
+        bm.release(b)
     del t[keep:]
 
 
