@@ -14,6 +14,8 @@ from typing import Any, AsyncIterator
 
 from ..core.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
+from ..engine.plugins import EngineDeadError
+
 
 # %% auto #0
 __all__ = [
@@ -208,6 +210,9 @@ class EngineLoop(EngineThread):
                 self.wake.clear()
             try:
                 outs, busy = await self.run(self.step)
+            except EngineDeadError as e:  # a worker process died: no step can ever run again
+                self.die(str(e))
+                return
             except Exception as e:
                 busy = False
                 await self.fail_all(e)
