@@ -30,7 +30,10 @@ from hetero_infer.quant.plugin import int8_matmul_specs  # registers the int8 GE
 
 def test_every_specialization_compiles_fits_and_does_not_spill():
     specs = launch_specs()
-    assert sum(s.kernel == "fused_moe" for s in specs) == 12 * len(fused_moe_specs("sm_80", "float16"))
+    per_target = len(fused_moe_specs("sm_80", "float16")) + len(
+        int8_matmul_specs("sm_80", "float16")
+    )
+    assert sum(s.kernel in ("fused_moe", "int8_matmul") for s in specs) == 12 * per_target
     report = compile_report(specs)
     assert len(report) == len(specs) == 330  # 210 attention, 48 fp8-cache, 72 GEMM binaries
     problems = report_problems(report)
@@ -109,9 +112,7 @@ def test_the_check_compiles_what_the_launchers_launch(monkeypatch, D, dtype):
     triton_write_kv(c[0, :2], c[0, :2], c, c, torch.zeros(2, dtype=torch.long))
     triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
     triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=2)
-    triton_paged_prefill_attention(
-        q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0
-    )
+    triton_paged_prefill_attention(q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0)
     want = {
         k: kernel_specs(k, str(dtype)[6:], "sm_80", (D,))
         for k in ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")
@@ -137,9 +138,7 @@ def test_fp8_cache_launches_what_the_check_compiles(monkeypatch):
     k = torch.zeros(2, 2, 64, dtype=torch.float16)
     triton_write_kv(k, k, c, c, torch.zeros(2, dtype=torch.long))
     triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
-    triton_paged_prefill_attention(
-        q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0
-    )
+    triton_paged_prefill_attention(q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0)
     for (fn, kw), kern in zip(calls, ["write_kv", "decode", "prefill"]):
         spec = kernel_specs(kern, "float16", "sm_90", (64,), "fp8")
         assert spec.kv_cache == "fp8" and fn == KERNELS[kern]

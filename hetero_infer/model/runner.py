@@ -130,6 +130,7 @@ def load_configured(config) -> LlamaModel:
     return load_model(config.model, resolve_dtype(config.dtype, device, ckpt_dtype), device)
 
 
+# %% ../../nbs/05_model.ipynb #e7fd7f83
 class ModelRunner:
     "Owns the model and its paged KV cache; turns a `SchedulerOutput` into one forward pass."
 
