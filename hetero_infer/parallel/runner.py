@@ -241,6 +241,7 @@ def _check_split(config, world: int) -> None:
 def start_workers(config, world_size: int) -> TensorParallelRunner:
     "Spawn ranks 1..world_size-1 on this machine, join them as rank 0, and return rank 0's runner."
     import torch.multiprocessing as mp
+    from hetero_infer.parallel.runner import _worker_main  # by its path: what the child imports
 
     _check_spawnable()
     _check_split(config, world_size)
