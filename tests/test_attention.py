@@ -409,7 +409,7 @@ NEEDS_CXX = pytest.mark.skipif(
 
 def test_cpp_backend_is_configurable_and_falls_back():
     import hetero_infer.attention.cpp as ta
-    from hetero_infer.attention.backend import CppAttentionBackend
+    from hetero_infer.attention.cpp import CppAttentionBackend
     from hetero_infer.core.config import EngineConfig
 
     assert EngineConfig(attention_backend="cpp").attention_backend == "cpp"
@@ -456,7 +456,7 @@ def test_cpp_decode_kernel_sweep(dtype, D, g, window):
 @NEEDS_CXX
 @pytest.mark.parametrize("window", [None, 3])
 def test_cpp_backend_mixed_step(window):
-    from hetero_infer.attention.backend import CppAttentionBackend
+    from hetero_infer.attention.cpp import CppAttentionBackend
 
     lens, qlens = [5, 17, 33, 9, 12], [1, 1, 1, 4, 12]  # three decodes, a chunk, a fresh prompt
     kc, vc, meta, q, k, v, full = make_case(lens, qlens, 4, 2, 4, 64, torch.float32)

@@ -11,23 +11,29 @@ import os
 import textwrap
 import pytest
 import torch
-import hetero_infer.attention.triton.backend as kernels
 import hetero_infer.quant.kernels as quant_kernels
+from hetero_infer.attention.triton.decode import triton_paged_decode_attention, triton_write_kv
+from hetero_infer.attention.triton.prefill import triton_paged_prefill_attention
 from hetero_infer.attention.triton.targets import (
     ARCHS,
     ATTENTION_KERNELS,
     KERNEL_MODULES,
     KERNELS,
     KernelSpec,
-    gemm_specs,
     kernel_specs,
     launch_specs,
 )
 from hetero_infer.attention.triton.resources import compile_report, report_problems
+from hetero_infer.moe.model import fused_moe_specs  # registers the fused-MoE binaries
+from hetero_infer.quant.plugin import int8_matmul_specs  # registers the int8 GEMM's
 
 
 def test_every_specialization_compiles_fits_and_does_not_spill():
     specs = launch_specs()
+    per_target = len(fused_moe_specs("sm_80", "float16")) + len(
+        int8_matmul_specs("sm_80", "float16")
+    )
+    assert sum(s.kernel in ("fused_moe", "int8_matmul") for s in specs) == 12 * per_target
     report = compile_report(specs)
     assert len(report) == len(specs) == 330  # 210 attention, 48 fp8-cache, 72 GEMM binaries
     problems = report_problems(report)
@@ -103,12 +109,10 @@ def test_the_check_compiles_what_the_launchers_launch(monkeypatch, D, dtype):
     _record_attention_kernels(monkeypatch, calls)
     q, c = torch.zeros(2, 4, D, dtype=dtype), torch.zeros(4, 16, 2, D, dtype=dtype)
     bt, sl = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-    kernels.triton_write_kv(c[0, :2], c[0, :2], c, c, torch.zeros(2, dtype=torch.long))
-    kernels.triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
-    kernels.triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=2)
-    kernels.triton_paged_prefill_attention(
-        q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0
-    )
+    triton_write_kv(c[0, :2], c[0, :2], c, c, torch.zeros(2, dtype=torch.long))
+    triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
+    triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=2)
+    triton_paged_prefill_attention(q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0)
     want = {
         k: kernel_specs(k, str(dtype)[6:], "sm_80", (D,))
         for k in ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")
@@ -132,11 +136,9 @@ def test_fp8_cache_launches_what_the_check_compiles(monkeypatch):
     c = torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn)
     bt, sl = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     k = torch.zeros(2, 2, 64, dtype=torch.float16)
-    kernels.triton_write_kv(k, k, c, c, torch.zeros(2, dtype=torch.long))
-    kernels.triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
-    kernels.triton_paged_prefill_attention(
-        q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0
-    )
+    triton_write_kv(k, k, c, c, torch.zeros(2, dtype=torch.long))
+    triton_paged_decode_attention(q, c, c, bt, sl, 1.0, num_splits=1)
+    triton_paged_prefill_attention(q, c, c, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl, 1.0)
     for (fn, kw), kern in zip(calls, ["write_kv", "decode", "prefill"]):
         spec = kernel_specs(kern, "float16", "sm_90", (64,), "fp8")
         assert spec.kv_cache == "fp8" and fn == KERNELS[kern]
@@ -148,9 +150,9 @@ def test_fp8_cache_launches_what_the_check_compiles(monkeypatch):
 @pytest.mark.parametrize("M", [1, 16, 17, 100])
 def test_int8_gemm_launches_what_the_check_compiles(monkeypatch, M):
     calls = []
-    name = KERNELS["int8_matmul"]
+    specs = int8_matmul_specs("sm_80", "float32")
+    name = specs[0].fn
     monkeypatch.setattr(quant_kernels, name, _Recorder(name, calls))
     x, w = torch.zeros(M, 64), torch.zeros(32, 64, dtype=torch.int8)
     quant_kernels.triton_int8_matmul(x, w, torch.ones(32))
-    specs = gemm_specs("int8_matmul", "float32", "sm_80")
     assert any({n: calls[0][1][n] for n in s.constexprs} == s.constexprs for s in specs), calls

@@ -313,7 +313,6 @@ def test_activation_matches_hf(tmp_path, family, act):
         ("hidden_act", "gelu_fast"),
         ("attn_logit_softcapping", 50.0),
         ("final_logit_softcapping", 30.0),
-        ("quantization_config", {"quant_method": "awq"}),
         ("partial_rotary_factor", 0.5),
     ],
 )

@@ -153,7 +153,7 @@ def test_layer_equals_transformers(family, method, saved):
     cfg = MoEConfig.from_hf(model.config)
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(2))
     for layer in range(2):
-        prefix = moe_prefix(tensors, layer)
+        prefix = moe_prefix(tensors, f"model.layers.{layer}.mlp.")
         assert ("block_sparse_moe" in prefix) == (family == "mixtral")  # the saved layout
         block = MoEBlock.from_checkpoint(tensors, prefix, cfg, method=method)
         hf_block = model.model.layers[layer].mlp
@@ -195,7 +195,7 @@ def test_missing_expert_tensor_is_named(saved):
     with pytest.raises(ValueError, match=r"experts\.4\.w3\.weight.*6 experts"):
         load_moe_weights(broken, "model.layers.1.block_sparse_moe.", cfg)
     with pytest.raises(ValueError, match="mlp.gate.weight"):
-        moe_prefix(broken, 7)
+        moe_prefix(broken, "model.layers.7.mlp.")
 
 
 def test_checkpoint_with_fewer_experts_than_config(saved):
@@ -256,7 +256,7 @@ def test_expert_parallel_partial_sums(family, ep, method, saved):
     "Each rank runs only its experts' pairs; the ranks' outputs sum to the layer (shared once)."
     model, tensors = saved[family]
     cfg = MoEConfig.from_hf(model.config)
-    prefix = moe_prefix(tensors, 0)
+    prefix = moe_prefix(tensors, "model.layers.0.mlp.")
     x = torch.randn(23, 64, generator=torch.Generator().manual_seed(3))
     parts = []
     for r in range(ep):

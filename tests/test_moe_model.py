@@ -10,6 +10,8 @@ from safetensors.torch import load_file, save_file
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM
 from hetero_infer.model.loading import load_model
+from hetero_infer.model.runner import activation_bytes
+from hetero_infer.moe.layer import is_moe_layer
 from hetero_infer.testing import MOE_TEST_FAMILIES, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 
@@ -91,7 +93,7 @@ def test_dense_and_sparse_layers_mixed(family, kw, tmp_path):
     sparse = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert any(sparse) and not all(sparse)
     m = load_model(tmp_path)
-    assert m.config.moe_layers == sparse
+    assert [is_moe_layer(m.config.hf_config, i) for i in range(m.config.num_layers)] == sparse
     assert [type(layer.mlp).__name__ == "MoEBlock" for layer in m.layers] == sparse
     ps = prompts((7, 25))
     assert _run(tmp_path, ps) == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
@@ -153,15 +155,16 @@ def test_quantization_is_refused_for_moe_models(tmp_path):
 
 
 def test_the_profile_counts_the_experts_working_memory(tmp_path):
-    tiny_hf_checkpoint(tmp_path, "qwen3_moe")
+    tiny_hf_checkpoint(tmp_path, "qwen3_moe", mlp_only_layers=[0])  # layer 0 dense, 1 sparse
     llm = LLM(str(tmp_path), **CPU, max_num_batched_tokens=64)
     try:
         runner = llm.engine.runner
-        with_moe = runner._activation_bytes()
-        moe, runner.model.config.moe = runner.model.config.moe, None
-        dense = runner._activation_bytes()
-        runner.model.config.moe = moe
+        with_moe = activation_bytes(runner.model, runner.config, torch.float32)
+        sparse = runner.model.layers[1].mlp
+        runner.model.layers[1].mlp = runner.model.layers[0].mlp  # the dense MLP everywhere
+        dense = activation_bytes(runner.model, runner.config, torch.float32)
+        runner.model.layers[1].mlp = sparse
     finally:
         llm.close()
-    # T * k * (3 I + 2 H) float32 elements: 64 * 2 * (3 * 32 + 2 * 64) * 4 bytes
-    assert with_moe - dense == 64 * 2 * (3 * 32 + 2 * 64) * 4
+    # the widest layer: T * k * (3 I + 2 H) float32 values, not the dense MLP's T * 3 * 128
+    assert with_moe - dense == 64 * (2 * (3 * 32 + 2 * 64) - 3 * 128) * 4

@@ -126,8 +126,8 @@ def _all_to_all_rank(rank, world, init):
 def _all_to_all_check(rank, world, family):
     import torch
     from hetero_infer.moe.layer import MoEBlock, MoEConfig, expert_shard
-    from hetero_infer.parallel.shards import all_reduce, moe_all_to_all
-    from hetero_infer.parallel.shards import COMM_BYTES
+    from hetero_infer.moe.parallel import moe_all_to_all
+    from hetero_infer.parallel.shards import COMM_BYTES, all_reduce
 
     torch.manual_seed(0)  # the same weights on every rank
     shared = 24 if family == "qwen2_moe" else 0

@@ -8,12 +8,11 @@ __all__ = [
     "AttentionMetadata",
     "AttentionBackend",
     "TorchAttentionBackend",
-    "CppAttentionBackend",
     "register_attention_backend",
     "get_attention_backend",
 ]
 
-# %% ../../nbs/03_attention_reference.ipynb #18baa47f
+# %% ../../nbs/03_attention_reference.ipynb #c99d0000
 import importlib
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from ..core.config import ATTENTION_BACKENDS
 from .torch_ref import AttentionBucket, bucket_keys, bucketed_attention
 from .torch_ref import paged_decode_attention, paged_prefill_attention
 from .torch_ref import plan_attention, write_kv
-from .cpp import CPP_DTYPES, cpp_decode_op, cpp_paged_decode_attention
 
 
 # %% ../../nbs/03_attention_reference.ipynb #1f3804be
@@ -156,12 +154,16 @@ class AttentionBackend:
         "Write this step's K/V, then attend: the first `num_decodes` rows decode, the rest prefill."
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd, S = meta.num_decodes, meta.num_seqs
-        w = (
-            {} if window is None else {"window": window}
-        )  # backends written before windows existed still work without one
         if nd == S:
             return self.decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len, **w
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                meta.max_seq_len,
+                window,
             )
         if nd == 0:
             return self.prefill(
@@ -174,7 +176,7 @@ class AttentionBackend:
                 scale,
                 meta.max_query_len,
                 meta.max_seq_len,
-                **w,
+                window,
             )
         out = torch.empty_like(q)
         out[:nd] = self.decode(
@@ -185,7 +187,7 @@ class AttentionBackend:
             meta.seq_lens[:nd],
             scale,
             meta.max_seq_len,
-            **w,
+            window,
         )
         out[nd:] = self.prefill(
             q[nd:],
@@ -197,7 +199,7 @@ class AttentionBackend:
             scale,
             meta.max_query_len,
             meta.max_seq_len,
-            **w,
+            window,
         )
         return out
 
@@ -205,6 +207,7 @@ class AttentionBackend:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+# %% ../../nbs/03_attention_reference.ipynb #c99d0012
 class TorchAttentionBackend(AttentionBackend):
     "The CPU backend, and the kernels' oracle: bucketed SDPA over exactly the keys each reads."
 
@@ -268,48 +271,12 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
 
-# %% ../../nbs/03_attention_reference.ipynb #c99d0012
-class CppAttentionBackend(TorchAttentionBackend):
-    "The torch backend whose decode rows the compiled C++ kernel attends in place (CPU)."
-
-    name = "cpp"
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=None):
-        "Write this step's K/V; decodes by the C++ kernel, prefill rows by the bucketed plan."
-        nd = meta.num_decodes
-        cpu = q.device.type == "cpu" and q.dtype in CPP_DTYPES and k_cache.dtype == q.dtype
-        if nd == 0 or not cpu:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
-        if not cpp_decode_op():  # no compiler here: said once, then the torch backend's path
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        bt, sl = meta.block_tables[:nd], meta.seq_lens[:nd]
-        out = cpp_paged_decode_attention(q[:nd], k_cache, v_cache, bt, sl, scale, window)
-        if nd == meta.num_seqs:
-            return out
-        key = ("prefill rows", k_cache.shape[1], window, bucket_keys(k_cache))
-        if key not in meta.plans:  # the prefill rows' plan, once per step
-            qsl = meta.query_start_loc[nd:].tolist()
-            meta.plans[key] = plan_attention(
-                meta.seq_lens[nd:].tolist(),
-                [b - a for a, b in zip(qsl, qsl[1:])],
-                meta.block_tables[nd:],
-                k_cache.shape[1],
-                window,
-                bucket_keys(k_cache),
-            )
-        rest = bucketed_attention(q[nd:], k_cache, v_cache, meta.plans[key], scale)
-        return torch.cat([out, rest])
-
-
-# %% ../../nbs/03_attention_reference.ipynb #96db555f
-BACKEND_PROVIDERS = {
-    "triton": "hetero_infer.attention.triton.backend"
-}  # backend -> the module that registers it when imported
-_backends: dict[str, type[AttentionBackend]] = {
-    "torch": TorchAttentionBackend,
-    "cpp": CppAttentionBackend,
+# %% ../../nbs/03_attention_reference.ipynb #c99d0014
+BACKEND_PROVIDERS = {  # backend -> the module that registers it when first imported
+    "cpp": "hetero_infer.attention.cpp",
+    "triton": "hetero_infer.attention.triton.backend",
 }
+_backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
 
 
 def register_attention_backend(
@@ -350,8 +317,8 @@ def get_attention_backend(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if name != "auto":
         return _load_backend(name)
-    if torch.device(device).type != "cuda":  # the torch backend where the kernel can't be built
-        return CppAttentionBackend()
+    if torch.device(device).type != "cuda":  # the torch backend's path where no compiler builds it
+        return _load_backend("cpp")
     try:
         return _load_backend("triton")
     except RuntimeError as e:

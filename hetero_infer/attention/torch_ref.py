@@ -143,6 +143,7 @@ def _queries(idx, seq_lens, q_lens, starts, qsl, Lb, window, dev):
     return q_rows.to(dev), out_rows.to(dev), None if keep is None else keep.to(dev), mask, fresh
 
 
+# %% ../../nbs/03_attention_reference.ipynb #c82cdbc9
 def plan_attention(
     seq_lens: list[int],  # per sequence: context length including this step's tokens
     q_lens: list[int],  # per sequence: its new tokens (1 for a decode)
@@ -266,7 +267,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # (S, M) int32, padded with 0
     seq_lens: torch.Tensor,  # (S,) int32 context length incl. this token
     scale: float,  # softmax scale, usually D ** -0.5
-    max_seq_len: int | None = None,  # accepted for compatibility; the buckets size themselves
+    max_seq_len: int | None = None,  # unused: the buckets size themselves
     window: int | None = None,
 ):  # sliding window; None: the whole context
     "Attention of each sequence's one new query over its paged context; (S, Hq, D) in q's dtype."
@@ -289,8 +290,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # (S+1,) int32, rows of q owned by each sequence
     seq_lens: torch.Tensor,  # (S,) int32 context length incl. the new tokens
     scale: float,  # softmax scale
-    max_query_len: int | None = None,  # accepted for compatibility
-    max_seq_len: int | None = None,  # accepted for compatibility
+    max_query_len: int | None = None,  # unused: the backends' common signature
+    max_seq_len: int | None = None,  # unused: the backends' common signature
     window: int | None = None,
 ):  # sliding window; None: full causal
     "Causal attention of each sequence's new tokens (its context's last) over the paged cache."

@@ -3,6 +3,7 @@
 # %% auto #0
 __all__ = [
     "ACTIVATIONS",
+    "MLP_FACTORIES",
     "PACK_MIN_WEIGHTS",
     "PACKED_LINEARS",
     "ModelConfig",
@@ -12,6 +13,8 @@ __all__ = [
     "apply_rope",
     "rope_inv_freq",
     "MLP",
+    "register_mlp",
+    "make_mlp",
     "Attention",
     "DecoderLayer",
     "LlamaModel",
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from dataclasses import field
 from ..attention.backend import get_attention_backend
-from ..moe.layer import MoEBlock, MoEConfig
 
 # %% ../../nbs/05_model.ipynb #d2e05550
 ACTIVATIONS = {
@@ -69,8 +72,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3 RMS-normalizes each head of q and k
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in
-    moe: MoEConfig | None = None  # the shape of the MoE blocks (chapter 16); None: a dense model
-    moe_layers: list | None = None  # per layer: True where the MLP is a MoE block; None: none
+    hf_config: dict = field(default_factory=dict, repr=False)  # the whole config.json, as read
 
 
 # %% ../../nbs/05_model.ipynb #cfdf68e1
@@ -142,10 +144,29 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        self.activation_width = 3 * inter  # numbers per token it holds at once: gate, up, product
 
     def forward(self, x):  # (T, hidden)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, inter) each
         return self.down_proj(self.act(gate) * up)
+
+
+# %% ../../nbs/05_model.ipynb #8350307c
+MLP_FACTORIES: dict = {}  # later chapters' feed-forward blocks by name, tried in order
+
+
+def register_mlp(factory):
+    "Let `factory(c, layer)` build a layer's feed-forward block, or return None to pass."
+    MLP_FACTORIES[factory.__name__] = factory  # registered again: replaced
+    return factory
+
+
+def make_mlp(c: ModelConfig, layer: int) -> nn.Module:
+    "Layer `layer`'s feed-forward block: the first registered factory's, else the gated `MLP`."
+    for factory in MLP_FACTORIES.values():
+        if (block := factory(c, layer)) is not None:
+            return block
+    return MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
 
 
 # %% ../../nbs/05_model.ipynb #ad9fd6a8
@@ -178,12 +199,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (T, Hq, D), (T, Hkv, D)
-        win = (
-            {} if self.window is None else {"window": self.window}
-        )  # backends without windows never see the keyword
-        o = backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **win
-        )  # (T, Hq, D)
+        o = backend.forward(q, k, v, *kv_cache, meta, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
@@ -191,15 +207,13 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     "Pre-norm residual block: h = x + attn(norm(x)); h + mlp(norm(h))."
 
-    def __init__(self, c: ModelConfig, window: int | None = None, sparse: bool = False):
-        super().__init__()  # sparse: a MoE block (chapter 16) in place of the MLP
+    def __init__(self, c: ModelConfig, layer: int):
+        super().__init__()
+        window = c.layer_windows[layer] if c.layer_windows else None
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if sparse:
-            self.mlp = MoEBlock(c.moe)  # (T, hidden) -> (T, hidden), as the MLP
-        else:
-            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
+        self.mlp = make_mlp(c, layer)  # (T, hidden) -> (T, hidden)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):  # (T, hidden)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
@@ -213,11 +227,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        windows = c.layer_windows or [None] * c.num_layers
-        sparse = c.moe_layers or [False] * c.num_layers
-        self.layers = nn.ModuleList(
-            DecoderLayer(c, w, s) for w, s in zip(windows, sparse, strict=True)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
@@ -225,9 +235,7 @@ class LlamaModel(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False
         )
-        self.backend = get_attention_backend(
-            "torch"
-        )  # load_model / ModelRunner choose the device's backend
+        self.backend = get_attention_backend("torch")  # load_model and the runner pick another
 
     def forward(
         self, input_ids, positions, kv_caches, meta

@@ -2,15 +2,23 @@
 
 # %% auto #0
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
+    "ARCHITECTURES",
     "ROPE_TYPES",
-    "layer_windows",
+    "LOAD_HOOKS",
+    "Architecture",
+    "register_architecture",
+    "no_windows",
+    "mistral_windows",
+    "qwen_windows",
     "parse_config",
     "hf_names",
     "checkpoint_files",
+    "dtype_name",
     "gpu_dtype",
     "attention_backend_for",
-    "dtype_name",
+    "Checkpoint",
+    "register_load_hook",
+    "own_readers",
     "load_model",
     "resolve_device",
     "resolve_dtype",
@@ -24,32 +32,31 @@ import json
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 import torch
 from safetensors import safe_open
 import hetero_infer.attention.backend as attention
 import hetero_infer.model.layers as layers
-from ..moe.layer import MoEConfig, is_moe_layer, load_moe_weights, moe_layer_names
-from ..quant.checkpoints import checkpoint_scheme, load_quantized_layers
-from ..quant.checkpoints import quantized_layers, scale_names
 from ..core.config import DTYPE_ALIASES
 
+
 # %% ../../nbs/05_model.ipynb #6cb7f80e
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",  # the mixture-of-experts families (chapter 16)
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-)
-_MOE = {
-    "Qwen3MoeForCausalLM": "Qwen3",
-    "MixtralForCausalLM": "Mistral",
-    "Qwen2MoeForCausalLM": "Qwen2",
-}
-ROPE_TYPES = ("default", "linear", "llama3")
+@dataclass(frozen=True)
+class Architecture:
+    "What the loader knows of a checkpoint class beyond its config's fields."
+
+    family: str  # the dense family whose attention it has: Llama, Mistral, Qwen2 or Qwen3
+    windows: Callable[[dict], list]  # config dict -> each layer's sliding window (None: full)
+
+
+ARCHITECTURES: dict[str, Architecture] = {}  # a config's `architectures[0]` -> what it is
+
+
+def register_architecture(name: str, family: str, windows: Callable[[dict], list]) -> None:
+    "Let the loader read checkpoints of class `name`, whose attention is `family`'s."
+    ARCHITECTURES[name] = Architecture(family, windows)
 
 
 def _refuse(ok: bool, field: str, msg: str):
@@ -57,87 +64,79 @@ def _refuse(ok: bool, field: str, msg: str):
         raise ValueError(f"unsupported {field}: {msg}")
 
 
-def layer_windows(d: dict, arch: str) -> list:
-    "Per-layer attention windows (None = full), with transformers' semantics for each family."
-    n, w = (
-        d["num_hidden_layers"],
-        d.get("sliding_window", 4096),
-    )  # 4096: the config classes' default
-    if arch == "MistralForCausalLM":
-        return [w] * n
-    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):  # every layer, or none
-        use = arch == "MixtralForCausalLM" or d.get("use_sliding_window")
-        return [d.get("sliding_window") if use else None] * n
-    _refuse(
-        arch != "Qwen2MoeForCausalLM" or not d.get("use_sliding_window") or "layer_types" in d,
-        "use_sliding_window",
-        "a Qwen2-MoE config with sliding windows but no layer_types",
-    )
-    if (
-        arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM")
-        or not d.get("use_sliding_window")
-        or w is None
-    ):
+def no_windows(d: dict) -> list:
+    "Every layer attends to its whole context."
+    return [None] * d["num_hidden_layers"]
+
+
+def mistral_windows(d: dict) -> list:
+    "`sliding_window` on every layer (4096, the config class's default, when the key is absent)."
+    return [d.get("sliding_window", 4096)] * d["num_hidden_layers"]
+
+
+def qwen_windows(d: dict) -> list:
+    "With `use_sliding_window`: the layers `layer_types` marks, else those from max_window_layers."
+    n, w = d["num_hidden_layers"], d.get("sliding_window", 4096)
+    if not d.get("use_sliding_window") or w is None:
         return [None] * n
     types = d.get("layer_types") or [
         "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
         for i in range(n)
     ]
-    _refuse(
-        len(types) == n and set(types) <= {"sliding_attention", "full_attention"},
-        "layer_types",
-        f"{types!r}",
-    )
+    kinds = {"sliding_attention", "full_attention"}
+    _refuse(len(types) == n and set(types) <= kinds, "layer_types", f"{types!r}")
     return [w if t == "sliding_attention" else None for t in types]
 
 
+register_architecture("LlamaForCausalLM", "Llama", no_windows)
+register_architecture("MistralForCausalLM", "Mistral", mistral_windows)
+register_architecture("Qwen2ForCausalLM", "Qwen2", qwen_windows)
+register_architecture("Qwen3ForCausalLM", "Qwen3", qwen_windows)
+
+
+# %% ../../nbs/05_model.ipynb #a04ed7d1
 def _check_fields(d: dict):
     "Refuse, by name, the config fields that change the math in a way this decoder does not."
-    _refuse(
-        d.get("hidden_act", "silu") in layers.ACTIVATIONS,
-        "hidden_act",
-        f"{d.get('hidden_act')!r}; supported: {', '.join(layers.ACTIVATIONS)}",
-    )
+    act = d.get("hidden_act", "silu")
+    supported = ", ".join(layers.ACTIVATIONS)
+    _refuse(act in layers.ACTIVATIONS, "hidden_act", f"{act!r}; supported: {supported}")
     for f in ("attn_logit_softcapping", "final_logit_softcapping"):
         _refuse(d.get(f) is None, f, f"{d.get(f)!r} (only None is supported)")
-    checkpoint_scheme(d)  # 15: a quantization_config it cannot load exactly is refused by name
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    _refuse(
-        not any(isinstance(v, dict) for v in rope.values()),
-        "rope_parameters",
-        "per-layer-type rope settings",
-    )
+    per_type = any(isinstance(v, dict) for v in rope.values())
+    _refuse(not per_type, "rope_parameters", "per-layer-type rope settings")
     prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     _refuse(prf in (None, 1, 1.0), "partial_rotary_factor", f"{prf!r} (only 1.0 is supported)")
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope(d: dict) -> tuple[float, dict | None]:
+    "rope_theta and the scaling dict (None: plain RoPE), from the 4.x or the 5.x layout."
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})  # 5.x: theta in here
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    rope.pop("partial_rotary_factor", None)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    return float(theta), None if kind == "default" else {**rope, "rope_type": kind}
 
 
 def parse_config(d: dict) -> layers.ModelConfig:
     "A HF `config.json` dict (4.x or 5.x layout) as a `ModelConfig`; refuses what it cannot honour."
     arch = (d.get("architectures") or [None])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r} (model_type {d.get('model_type')!r}); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
     _check_fields(d)
-    base = _MOE.get(arch, arch.removesuffix("ForCausalLM"))  # the dense family of its attention
-    rope = dict(
-        d.get("rope_parameters") or d.get("rope_scaling") or {}
-    )  # 5.x keeps rope_theta in here too
-    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-    rope.pop("partial_rotary_factor", None)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    nh = d["num_attention_heads"]
-    bias = (
-        bool(d.get("attention_bias", False)) and base != "Mistral"
-    )  # transformers' Mistral and Mixtral have no attention biases
-    head_dim = d.get("head_dim") or (
-        128 if arch == "Qwen3ForCausalLM" and "head_dim" not in d else d["hidden_size"] // nh
-    )
-    windows = layer_windows(d, arch)
-    n = d["num_hidden_layers"]
+    family, nh = ARCHITECTURES[arch].family, d["num_attention_heads"]
+    bias = bool(d.get("attention_bias", False)) and family != "Mistral"  # Mistral: never
+    qwen3_default = 128 if arch == "Qwen3ForCausalLM" else None  # its config class's head_dim
+    windows = ARCHITECTURES[arch].windows(d)
+    theta, scaling = _rope(d)
     return layers.ModelConfig(
         architecture=arch,
         vocab_size=d["vocab_size"],
@@ -146,22 +145,21 @@ def parse_config(d: dict) -> layers.ModelConfig:
         num_layers=d["num_hidden_layers"],
         num_heads=nh,
         num_kv_heads=d.get("num_key_value_heads") or nh,
-        head_dim=head_dim,
+        head_dim=d.get("head_dim") or qwen3_default or d["hidden_size"] // nh,
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=d.get("max_position_embeddings", 2048),
         sliding_window=next((w for w in windows if w is not None), None),
         layer_windows=windows if any(windows) else None,
         hidden_act=d.get("hidden_act", "silu"),
-        qkv_bias=bias or (base == "Qwen2" and bool(d.get("qkv_bias", True))),  # Qwen2-MoE: a field
-        o_bias=bias and base != "Qwen2",
-        mlp_bias=bool(d.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-        qk_norm=base == "Qwen3",
+        qkv_bias=bias or (family == "Qwen2" and bool(d.get("qkv_bias", True))),
+        o_bias=bias and family != "Qwen2",
+        mlp_bias=bool(d.get("mlp_bias", False)) and family == "Llama",
+        qk_norm=family == "Qwen3",
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-        moe=MoEConfig.from_hf(d) if arch in _MOE else None,
-        moe_layers=[is_moe_layer(d, i) for i in range(n)] if arch in _MOE else None,
+        hf_config=d,
     )
 
 
@@ -218,6 +216,21 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 # %% ../../nbs/05_model.ipynb #2a73489b
+def _to_dtype(dtype) -> torch.dtype:
+    "A torch dtype from any spelling core's `DTYPE_ALIASES` knows, or a torch dtype."
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return dtype
+    dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def dtype_name(dtype) -> str:
+    "The canonical name of 'auto', a dtype name or alias ('half', 'bf16', ...) or a torch.dtype."
+    return "auto" if dtype == "auto" else str(_to_dtype(dtype)).removeprefix("torch.")
+
+
 def gpu_dtype(
     dtype: torch.dtype, device, explicit: bool, capability: tuple | None = None
 ) -> torch.dtype:
@@ -263,57 +276,99 @@ def attention_backend_for(
 
 
 # %% ../../nbs/05_model.ipynb #80462e53
-def _open_shards(files, stack) -> dict:
-    "Open every shard lazily: checkpoint tensor name -> (handle, file)."
-    where = {}
-    for f in files:
-        try:
-            h = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-        except Exception as e:
-            raise ValueError(f"checkpoint shard {f.name} is corrupt or unreadable: {e}") from None
-        for k in h.keys():
-            where[k] = (h, f)
-    return where
+class Checkpoint:
+    "A checkpoint directory's tensors by name, across its shards, each read only when asked."
 
+    def __init__(self, path):
+        self._stack = contextlib.ExitStack()
+        self.where = {}  # tensor name -> (open shard, its file)
+        for f in checkpoint_files(Path(path)):
+            try:
+                h = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            except Exception as e:
+                self._stack.close()
+                raise ValueError(
+                    f"checkpoint shard {f.name} is corrupt or unreadable: {e}"
+                ) from None
+            self.where |= dict.fromkeys(h.keys(), (h, f))
 
-def _read(where, name):
-    h, f = where[name]
-    try:
-        return h.get_tensor(name)
-    except Exception as e:
-        raise ValueError(f"checkpoint shard {f.name} is corrupt: cannot read {name}: {e}") from None
+    def __enter__(self):
+        return self
 
+    def __exit__(self, *exc):
+        self._stack.close()
 
-def _to_dtype(dtype) -> torch.dtype:
-    "A torch dtype from any spelling core's `DTYPE_ALIASES` knows, or a torch dtype."
-    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return dtype
-    dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    return getattr(torch, dtype)
-
-
-def dtype_name(dtype) -> str:
-    "The canonical name of 'auto', a dtype name or alias ('half', 'bf16', ...) or a torch.dtype."
-    return "auto" if dtype == "auto" else str(_to_dtype(dtype)).removeprefix("torch.")
-
-
-class _Tensors:
-    "Checkpoint tensors by name, each read when asked (the mapping `load_moe_weights` takes)."
-
-    def __init__(self, where):
-        self.where = where
-
-    def __contains__(self, name):
+    def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def __getitem__(self, name):
-        return _read(self.where, name)
+    def __iter__(self):
+        return iter(self.where)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        "Tensor `name`, read now."
+        h, f = self.where[name]
+        try:
+            return h.get_tensor(name)
+        except Exception as e:
+            raise ValueError(
+                f"checkpoint shard {f.name} is corrupt: cannot read {name}: {e}"
+            ) from None
+
+    def get_slice(self, name: str):
+        "Tensor `name` unread: `[a:b]` on it reads rows a..b-1 only."
+        return self.where[name][0].get_slice(name)
+
+
+# %% ../../nbs/05_model.ipynb #5c5726b3
+LOAD_HOOKS: dict = {}  # later chapters' checkpoint formats by name, asked in order
+
+
+def register_load_hook(hook):
+    "Let `hook(model, ckpt)` take part in loading: None, or (tensor names it reads, finish(model))."
+    LOAD_HOOKS[hook.__name__] = hook  # registered again: replaced
+    return hook
 
 
 def _names(xs):
     return ", ".join(xs[:8]) + (f" ... ({len(xs)} in all)" if len(xs) > 8 else "")
+
+
+def _check_names(path, model, ckpt: Checkpoint, params, own: dict, extra: set) -> None:
+    "Refuse a checkpoint that lacks a tensor the parameters need, or holds one nothing reads."
+    need = [h for n in params for h in hf_names(n)]
+    known = set(need) | extra | ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    known |= {h for n, m in own.items() for h in m.checkpoint_names(ckpt, f"model.{n}.")}
+    missing = sorted(h for h in need if h not in ckpt)
+    unexpected = sorted(k for k in ckpt if k not in known and not k.endswith(_IGNORED))
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {_names(missing)}")
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {path} has weights this {model.config.architecture} config does not use: "
+            f"{_names(unexpected)}"
+        )
+
+
+def _place(model, name: str, t: torch.Tensor, dtype, device) -> None:
+    "Put checkpoint tensor `t` in parameter `name` (built on meta), checking its shape."
+    want = model.get_parameter(name).shape
+    if t.shape != want:
+        raise ValueError(
+            f"weight {name} has shape {tuple(t.shape)} in the checkpoint, "
+            f"the config implies {tuple(want)}"
+        )
+    mod, _, attr = name.rpartition(".")
+    t = t.to(device=device, dtype=dtype)
+    setattr(model.get_submodule(mod), attr, torch.nn.Parameter(t, requires_grad=False))
+
+
+def own_readers(model) -> dict:
+    "The submodules that read their own weights (`read_checkpoint`), by name."
+    own = {}
+    for n, m in model.named_modules():
+        if hasattr(m, "read_checkpoint") and not any(n.startswith(f"{o}.") for o in own):
+            own[n] = m
+    return own
 
 
 def load_model(
@@ -326,53 +381,22 @@ def load_model(
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no config.json in {path}")
     c = parse_config(json.loads((path / "config.json").read_text()))
-    dtype = gpu_dtype(
-        _to_dtype(dtype or c.torch_dtype or "float32"), device, explicit=dtype is not None
-    )
+    dtype = gpu_dtype(_to_dtype(dtype or c.torch_dtype or "float32"), device, dtype is not None)
     with torch.device("meta"):
         model = layers.LlamaModel(c)
-    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens.weight
-    need = {n: hf_names(n) for n in params}
-    with contextlib.ExitStack() as stack:
-        where = _open_shards(checkpoint_files(path), stack)
-        moe = moe_layer_names(where, c.moe, c.moe_layers) if c.moe else {}
-        in_moe = tuple(f"layers.{i}.mlp." for i in moe)  # parameters the MoE blocks read
-        need = {n: hs for n, hs in need.items() if not n.startswith(in_moe)}
-        known = {h for hs in need.values() for h in hs} | (
-            {"lm_head.weight"} if c.tie_word_embeddings else set()
-        )
-        known |= {h for _, hs in moe.values() for h in hs}
-        scheme = checkpoint_scheme(json.loads((path / "config.json").read_text()))  # 15
-        stored_q = quantized_layers(model, hf_names, where) if scheme else {}
-        known |= scale_names(stored_q)  # a pre-quantized checkpoint's weight scales
-        missing = sorted(h for hs in need.values() for h in hs if h not in where)
-        unexpected = sorted(k for k in where if k not in known and not k.endswith(_IGNORED))
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks weights: {_names(missing)}")
-        if unexpected:
-            raise ValueError(
-                f"checkpoint {path} has weights this {c.architecture} config does not use: "
-                f"{_names(unexpected)}"
-            )
-        blocks = {}  # layer -> its MoE block's tensors, read once, popped as they are placed
-        for n, p in params.items():
-            if n in need:
-                t = torch.cat([_read(where, h) for h in need[n]])
-            else:
-                i = int(n.split(".")[1])
-                if i not in blocks:
-                    blocks[i] = load_moe_weights(_Tensors(where), moe[i][0], c.moe)
-                t = blocks[i].pop(n.removeprefix(f"layers.{i}.mlp."))
-            t = t.to(device=device, dtype=dtype)
-            if t.shape != p.shape:
-                raise ValueError(
-                    f"weight {n} has shape {tuple(t.shape)} in the checkpoint, "
-                    f"the config implies {tuple(p.shape)}"
-                )
-            mod, _, attr = n.rpartition(".")
-            setattr(model.get_submodule(mod), attr, torch.nn.Parameter(t, requires_grad=False))
-        if stored_q:  # 15: its int8 layers as stored (QuantizedLinear), fp8 ones dequantized
-            load_quantized_layers(model, stored_q, lambda h: _read(where, h), scheme)
+    own = own_readers(model)
+    in_own = tuple(f"{n}." for n in own)
+    params = [n for n, _ in model.named_parameters() if not n.startswith(in_own)]  # tied: once
+    with Checkpoint(path) as ckpt:
+        hooks = [h for hook in LOAD_HOOKS.values() if (h := hook(model, ckpt)) is not None]
+        _check_names(path, model, ckpt, params, own, {x for names, _ in hooks for x in names})
+        for n in params:
+            _place(model, n, torch.cat([ckpt[h] for h in hf_names(n)]), dtype, device)
+        for n, m in own.items():
+            for k, t in m.read_checkpoint(ckpt, f"model.{n}.").items():
+                _place(model, f"{n}.{k}", t, dtype, device)
+        for _, finish in hooks:
+            finish(model)
     if c.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.backend = attention_backend_for("auto", c, dtype, device)

@@ -25,8 +25,8 @@ __all__ = [
     "moe_prefix",
     "moe_checkpoint_names",
     "load_moe_weights",
-    "moe_layer_names",
     "expert_shard",
+    "CheckpointSlices",
     "MoEBlock",
 ]
 
@@ -245,12 +245,12 @@ _PER_EXPERT = {  # checkpoint names of an expert's (gate, up, down) projections
 _SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
-def moe_prefix(names, layer: int) -> str:
-    "Where layer `layer`'s MoE weights live among checkpoint tensor `names` (Mixtral's or `mlp.`)."
-    for p in (f"model.layers.{layer}.mlp.", f"model.layers.{layer}.block_sparse_moe."):
+def moe_prefix(names, prefix: str) -> str:
+    "Where a MoE layer's weights live among tensor `names`: `prefix` (`...mlp.`), or Mixtral's."
+    for p in (prefix, prefix.replace(".mlp.", ".block_sparse_moe.")):
         if p + "gate.weight" in names:
             return p
-    raise ValueError(f"checkpoint has no router weight model.layers.{layer}.mlp.gate.weight")
+    raise ValueError(f"checkpoint has no router weight {prefix}gate.weight")
 
 
 def moe_checkpoint_names(
@@ -318,22 +318,6 @@ def load_moe_weights(
     return state
 
 
-# %% ../../nbs/16_mixture_of_experts.ipynb #195231e4
-def moe_layer_names(
-    names,  # the checkpoint's tensor names (anything with `in`)
-    cfg: MoEConfig,
-    moe_layers: list,  # per decoder layer: True where its MLP is a MoE block
-) -> dict[int, tuple[str, list[str]]]:  # layer -> (prefix, the names its block reads)
-    "Where each MoE layer's tensors live and which of them its block reads, in either layout."
-    out = {}
-    for i, sparse in enumerate(moe_layers):
-        if sparse:
-            prefix = moe_prefix(names, i)
-            fused = prefix + "experts.gate_up_proj" in names
-            out[i] = (prefix, moe_checkpoint_names(prefix, cfg, fused))
-    return out
-
-
 # %% ../../nbs/16_mixture_of_experts.ipynb #282dc161
 def expert_shard(num_experts: int, ep_size: int = 1, ep_rank: int = 0) -> range:
     "The experts rank `ep_rank` of `ep_size` holds under expert parallelism: a contiguous slice."
@@ -371,6 +355,21 @@ class _SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class CheckpointSlices:
+    "A checkpoint as `load_moe_weights` reads it: fused expert tensors stay on disk until sliced."
+
+    def __init__(self, ckpt):  # a `Checkpoint` (05)
+        self.ckpt = ckpt
+
+    def __contains__(self, name):
+        return name in self.ckpt
+
+    def __getitem__(self, name):
+        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        return self.ckpt.get_slice(name) if fused else self.ckpt[name]
+
+
+# %% ../../nbs/16_mixture_of_experts.ipynb #1841bb00
 class MoEBlock(nn.Module):
     "A sparse MoE feed-forward block: top-k router, routed experts, optional shared expert."
 
@@ -416,6 +415,26 @@ class MoEBlock(nn.Module):
         if self.cfg.shared_expert_intermediate_size and self.owns_shared:  # once in a TP group
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    @property
+    def activation_width(self) -> int:
+        "Values per token the block holds at once (the runner's bound on a step's memory)."
+        c = self.cfg
+        return (
+            c.top_k * (3 * c.intermediate_size + 2 * c.hidden_size)
+            + 3 * c.shared_expert_intermediate_size
+        )
+
+    def checkpoint_names(self, ckpt, prefix: str) -> list[str]:
+        "The tensors of this layer (`prefix`: `model.layers.i.mlp.`) that the block reads."
+        p = moe_prefix(ckpt, prefix)
+        return moe_checkpoint_names(p, self.cfg, p + "experts.gate_up_proj" in ckpt)
+
+    def read_checkpoint(self, ckpt, prefix: str) -> dict:
+        "The block's state dict from checkpoint `ckpt`, its held experts only."
+        return load_moe_weights(
+            CheckpointSlices(ckpt), moe_prefix(ckpt, prefix), self.cfg, self.held
+        )
 
     @classmethod
     def from_checkpoint(cls, tensors, prefix: str, cfg: MoEConfig, method="auto", experts=None):

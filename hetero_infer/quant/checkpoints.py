@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 import torch.nn as nn
+from ..model.loading import hf_names, register_load_hook
 from .quantize import FP8_DTYPE, QuantizedLinear
 
 CHECKPOINT_FORMATS = ("int-quantized", "naive-quantized", "float-quantized")  # compressed-tensors
@@ -83,6 +84,7 @@ __all__ = [
     "scale_names",
     "load_quantized_layers",
     "is_prequantized",
+    "prequantized_weights",
     "write_compressed_checkpoint",
 ]
 
@@ -145,6 +147,16 @@ def is_prequantized(path) -> bool:
     "Whether the checkpoint directory's `config.json` has a `quantization_config`."
     cfg = Path(path) / "config.json"
     return cfg.exists() and json.loads(cfg.read_text()).get("quantization_config") is not None
+
+
+@register_load_hook
+def prequantized_weights(model: nn.Module, ckpt) -> tuple | None:
+    "A compressed-tensors checkpoint's 8-bit layers: their scales known, the layers swapped last."
+    scheme = checkpoint_scheme(model.config.hf_config)
+    if scheme is None:
+        return None
+    stored = quantized_layers(model, hf_names, ckpt)
+    return scale_names(stored), lambda m: load_quantized_layers(m, stored, ckpt.__getitem__, scheme)
 
 
 # %% ../../nbs/15_quantization.ipynb #fa102b27

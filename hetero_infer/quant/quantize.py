@@ -24,6 +24,7 @@ __all__ = [
     "quantize_fp8",
     "dequantize_fp8",
     "check_quantization",
+    "Int8Weight",
     "QuantizedLinear",
     "QuantizedEmbedding",
     "module_bytes",
@@ -116,7 +117,46 @@ def check_quantization(mode) -> str | None:
     return mode
 
 
-class QuantizedLinear(nn.Module):
+class Int8Weight(nn.Module):
+    "An (N, K) int8 weight and one float32 scale per row; on a VNNI CPU, packed on first use."
+
+    def __init__(self, in_features: int, out_features: int, mode: str = "int8"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.mode = check_quantization(mode)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(out_features))  # (N,) float32
+        self.rel_error = None  # w8a8: error of the first call against weight-only
+        self.packed = None  # CPU int8: fbgemm's packed copy of qweight, made on the first call
+        self.shared = False  # True when qweight is also an embedding's table (then it is kept)
+
+    def pack(self) -> bool:
+        "CPU with VNNI: the weight into fbgemm's layout (int8) or oneDNN's (w8a8), once."
+        if self.packed is None:
+            if self.qweight.is_cuda or not fbgemm_available():
+                return False
+            if self.mode == "w8a8" and self.rel_error is None:  # its check reads the plain copy
+                return False
+            pack = onednn_pack if self.mode == "w8a8" else fbgemm_pack
+            self.packed = pack(self.qweight, self.scale)
+            if not self.shared:  # one copy in memory: `int8_weight` unpacks on demand
+                self.qweight = None
+        return True
+
+    def int8_weight(self) -> torch.Tensor:
+        "The (N, K) int8 weight: the buffer, or unpacked from the packed copy once packed."
+        if self.qweight is not None:
+            return self.qweight
+        return onednn_unpack(self.packed) if self.mode == "w8a8" else fbgemm_unpack(self.packed)
+
+    @property
+    def packed_bytes(self) -> int:
+        "Bytes of the packed copy (int8 weights + one int32 column offset per output channel)."
+        return 0 if self.packed is None else self.out_features * (self.in_features + 4)
+
+
+# %% ../../nbs/15_quantization.ipynb #880d6ee9
+class QuantizedLinear(Int8Weight):
     "A drop-in `nn.Linear` with an int8 per-output-channel weight: weight-only or W8A8."
 
     def __init__(
@@ -128,17 +168,10 @@ class QuantizedLinear(nn.Module):
         dtype: torch.dtype = torch.bfloat16,  # the dtype of the bias and of the outputs
         max_rel_error: float = 0.05,  # w8a8: past this first-call error, fall back to int8
     ):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.mode = check_quantization(mode)
+        super().__init__(in_features, out_features, mode)
         self.max_rel_error = max_rel_error
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.ones(out_features))  # (N,) float32
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
-        self.rel_error = None  # w8a8: error of the first call against weight-only
-        self.fell_back = False  # w8a8: True once that error passed max_rel_error
-        self.packed = None  # CPU int8: fbgemm's packed copy of qweight, made on the first call
-        self.shared = False  # True when qweight is also an embedding's table (then it is kept)
+        self.fell_back = False  # w8a8: True once the first call's error passed max_rel_error
 
     @classmethod
     def from_float(cls, linear: nn.Linear, mode: str = "int8", max_rel_error: float = 0.05):
@@ -191,30 +224,6 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def pack(self) -> bool:
-        "CPU with VNNI: the weight into fbgemm's layout (int8) or oneDNN's (w8a8), once."
-        if self.packed is None:
-            if self.qweight.is_cuda or not fbgemm_available():
-                return False
-            if self.mode == "w8a8" and self.rel_error is None:  # its check reads the plain copy
-                return False
-            pack = onednn_pack if self.mode == "w8a8" else fbgemm_pack
-            self.packed = pack(self.qweight, self.scale)
-            if not self.shared:  # one copy in memory: `int8_weight` unpacks on demand
-                self.qweight = None
-        return True
-
-    def int8_weight(self) -> torch.Tensor:
-        "The (N, K) int8 weight: the buffer, or unpacked from the packed copy once packed."
-        if self.qweight is not None:
-            return self.qweight
-        return onednn_unpack(self.packed) if self.mode == "w8a8" else fbgemm_unpack(self.packed)
-
-    @property
-    def packed_bytes(self) -> int:
-        "Bytes of the packed copy (int8 weights + one int32 column offset per output channel)."
-        return 0 if self.packed is None else self.out_features * (self.in_features + 4)
 
     def extra_repr(self) -> str:
         fb = f", fell_back (error {self.rel_error:.1%})" if self.fell_back else ""

@@ -6,57 +6,16 @@
 from __future__ import annotations
 
 # %% auto #0
-__all__ = [
-    "TritonAttentionBackend",
-    "triton_unsupported",
-    "decode_bytes",
-    "MAX_HEAD_DIM",
-    "LOG2E",
-    "NO_WINDOW",
-    "FP8_CAPABILITY",
-    "block_d",
-    "KernelTiles",
-    "uses_tensor_cores",
-    "supports_bf16",
-    "attention_tiles",
-    "triton_write_kv",
-    "num_decode_splits",
-    "triton_paged_decode_attention",
-    "triton_paged_prefill_attention",
-]
+__all__ = ["TritonAttentionBackend", "triton_unsupported", "decode_bytes"]
 
 # %% ../../../nbs/04_paged_attention_triton.ipynb #8212761a
 import os
 import torch
 from ..backend import AttentionBackend, register_attention_backend
-from hetero_infer.attention.triton.tiles import (
-    FP8_CAPABILITY,
-    LOG2E,
-    MAX_HEAD_DIM,
-    NO_WINDOW,
-    KernelTiles,
-)
-from .tiles import _capability, attention_tiles, block_d, supports_bf16
-from .tiles import uses_tensor_cores
-from .decode import num_decode_splits, triton_paged_decode_attention
-from .decode import triton_write_kv
+from .tiles import FP8_CAPABILITY, MAX_HEAD_DIM, _capability
+from .tiles import supports_bf16
+from .decode import triton_paged_decode_attention, triton_write_kv
 from .prefill import triton_paged_prefill_attention
-
-_all_ = [
-    "MAX_HEAD_DIM",
-    "LOG2E",
-    "NO_WINDOW",
-    "FP8_CAPABILITY",
-    "block_d",
-    "KernelTiles",
-    "uses_tensor_cores",
-    "supports_bf16",
-    "attention_tiles",
-    "triton_write_kv",
-    "num_decode_splits",
-    "triton_paged_decode_attention",
-    "triton_paged_prefill_attention",
-]  # kernels.py re-exports its three job modules: kernel_tiles, decode_kernels, prefill_kernels
 
 
 # %% ../../../nbs/04_paged_attention_triton.ipynb #ee4519ed

@@ -13,12 +13,7 @@ from hetero_infer.attention.triton.tiles import (
     _check_attention_inputs,
     _check_head_dim,
 )
-from hetero_infer.attention.triton.tiles import (
-    _online_softmax_step,
-    _window,
-    attention_tiles,
-    block_d,
-)
+from .tiles import _window, attention_tiles, block_d
 
 # %% auto #0
 __all__ = ["triton_write_kv", "num_decode_splits", "triton_paged_decode_attention"]
@@ -107,6 +102,58 @@ def triton_write_kv(
 
 
 # %% ../../../nbs/04_paged_attention_triton.ipynb #9e2f194e
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, IS_FP32: tl.constexpr):
+    "One key tile of online softmax: q @ k^T masked to `visible`, p @ v into (max, sum, acc)."
+    if IS_FP32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))  # fp16/bf16 products are exact in the fp32 accumulator
+    qk = tl.where(
+        visible, qk.to(tl.float32) * scale_log2, float("-inf")
+    )  # (rows, BLOCK_N), log2 units
+    m_new = tl.maximum(
+        m_i, tl.max(qk, 1)
+    )  # -inf while a row has seen no visible key (sliding windows)
+    m_ref = tl.where(
+        m_new == float("-inf"), 0.0, m_new
+    )  # such a row adds exp2(-inf) = 0 instead of NaN
+    alpha = tl.exp2(m_i - m_ref)  # rescales what was summed under the old max
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IS_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_splits_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, out_ptr, num_splits, D, stride_os, stride_oh, BLOCK_D: tl.constexpr
+):
+    s, hq = tl.program_id(0), tl.program_id(1)  # sequence, query head
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    row = (
+        s * tl.num_programs(1) + hq
+    ) * num_splits  # the first piece; piece 0 always holds the first key
+    m, l = tl.load(pm_ptr + row), tl.load(pl_ptr + row)
+    acc = tl.load(pacc_ptr + row * D + offs_d, mask=d_mask, other=0.0)
+    for i in range(1, num_splits):  # fold in piece i; empty pieces (m = -inf) weigh 0
+        m_i, l_i = tl.load(pm_ptr + row + i), tl.load(pl_ptr + row + i)
+        acc_i = tl.load(pacc_ptr + (row + i) * D + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, m_i)
+        a, b = tl.exp2(m - m_new), tl.exp2(m_i - m_new)
+        m, l, acc = m_new, l * a + l_i * b, acc * a + acc_i * b
+    tl.store(
+        out_ptr + s * stride_os + hq * stride_oh + offs_d,
+        (acc / l).to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+# %% ../../../nbs/04_paged_attention_triton.ipynb #805b39ca
 @triton.jit(
     do_not_specialize=["num_splits", "G", "bs_log2", "window", "stride_bt"]
 )  # one binary for every batch shape
@@ -197,31 +244,6 @@ def _decode_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=out_mask,
         )
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_splits_kernel(
-    pm_ptr, pl_ptr, pacc_ptr, out_ptr, num_splits, D, stride_os, stride_oh, BLOCK_D: tl.constexpr
-):
-    s, hq = tl.program_id(0), tl.program_id(1)  # sequence, query head
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    row = (
-        s * tl.num_programs(1) + hq
-    ) * num_splits  # the first piece; piece 0 always holds the first key
-    m, l = tl.load(pm_ptr + row), tl.load(pl_ptr + row)
-    acc = tl.load(pacc_ptr + row * D + offs_d, mask=d_mask, other=0.0)
-    for i in range(1, num_splits):  # fold in piece i; empty pieces (m = -inf) weigh 0
-        m_i, l_i = tl.load(pm_ptr + row + i), tl.load(pl_ptr + row + i)
-        acc_i = tl.load(pacc_ptr + (row + i) * D + offs_d, mask=d_mask, other=0.0)
-        m_new = tl.maximum(m, m_i)
-        a, b = tl.exp2(m - m_new), tl.exp2(m_i - m_new)
-        m, l, acc = m_new, l * a + l_i * b, acc * a + acc_i * b
-    tl.store(
-        out_ptr + s * stride_os + hq * stride_oh + offs_d,
-        (acc / l).to(out_ptr.dtype.element_ty),
-        mask=d_mask,
-    )
 
 
 # %% ../../../nbs/04_paged_attention_triton.ipynb #bc4c72e1

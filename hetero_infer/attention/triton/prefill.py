@@ -8,12 +8,8 @@ import torch
 import triton
 import triton.language as tl
 from .tiles import LOG2E, _capability, _check_attention_inputs
-from hetero_infer.attention.triton.tiles import (
-    _online_softmax_step,
-    _window,
-    attention_tiles,
-    block_d,
-)
+from .tiles import _window, attention_tiles, block_d
+from .decode import _online_softmax_step
 
 # %% auto #0
 __all__ = ["triton_paged_prefill_attention"]
@@ -107,6 +103,7 @@ def _prefill_kernel(
         )
 
 
+# %% ../../../nbs/04_paged_attention_triton.ipynb #e81e23cc
 def triton_paged_prefill_attention(
     q: torch.Tensor,  # (T, Hq, D) new tokens, sequence after sequence
     k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D), already holding this step's K

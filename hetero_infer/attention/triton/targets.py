@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import torch
 from hetero_infer.attention.triton.tiles import (
     FP8_CAPABILITY,
@@ -20,15 +20,15 @@ __all__ = [
     "KERNELS",
     "ATTENTION_KERNELS",
     "FP8_KERNELS",
-    "GEMM_KERNELS",
     "KERNEL_MODULES",
     "DTYPES",
     "HEAD_DIMS",
+    "KERNEL_SPECS",
     "GpuArch",
     "occupancy",
     "KernelSpec",
     "kernel_specs",
-    "gemm_specs",
+    "register_kernel_specs",
     "launch_specs",
 ]
 
@@ -85,27 +85,20 @@ def occupancy(
 
 
 # %% ../../../nbs/04a_kernel_resources.ipynb #1608d7e0
-KERNELS = {
+KERNELS = {  # kernel -> its @triton.jit function
     "write_kv": "_write_kv_kernel",
     "decode": "_decode_kernel",
     "decode_split": "_decode_kernel",
     "reduce_splits": "_reduce_splits_kernel",
     "prefill": "_prefill_kernel",
-    "int8_matmul": "_int8_weight_matmul_kernel",  # quant_kernels (15)
-    "fused_moe": "_fused_moe_kernel",  # moe_kernels (16)
 }
-ATTENTION_KERNELS = ("write_kv", "decode", "decode_split", "reduce_splits", "prefill")
+ATTENTION_KERNELS = tuple(KERNELS)
 FP8_KERNELS = ("write_kv", "decode", "decode_split", "prefill")  # those that touch the cache
-GEMM_KERNELS = ("int8_matmul", "fused_moe")
 KERNEL_MODULES = {  # where each kernel is defined
-    **dict.fromkeys(
-        ("write_kv", "decode", "decode_split", "reduce_splits"), "attention.triton.decode"
-    ),
-    "prefill": "attention.triton.prefill",
-    "int8_matmul": "quant.kernels",
-    "fused_moe": "moe.kernels",
+    **dict.fromkeys(("write_kv", "decode", "decode_split", "reduce_splits"), "decode"),
+    "prefill": "prefill",
 }
-KERNEL_MODULES = {k: f"hetero_infer.{m}" for k, m in KERNEL_MODULES.items()}
+KERNEL_MODULES = {k: f"hetero_infer.attention.triton.{m}" for k, m in KERNEL_MODULES.items()}
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 HEAD_DIMS = (64, 80, 96, 112, 128, 256)
 
@@ -114,16 +107,17 @@ HEAD_DIMS = (64, 80, 96, 112, 128, 256)
 class KernelSpec:
     "One binary to compile: kernel, constexprs, launch options, the cache dtype, the target GPU."
 
-    kernel: str  # a key of KERNELS
+    kernel: str  # a key of KERNELS, or a later chapter's kernel (then `module` and `fn` name it)
     dtype: str  # "float16", "bfloat16" or "float32"
     arch: str  # a key of ARCHS
     head_dims: tuple  # the head sizes this binary serves
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 3
-    module: str = ""  # the kernel's module; "" = KERNEL_MODULES[kernel] (tests: a broken one)
+    module: str = ""  # the kernel's module; "" = KERNEL_MODULES[kernel]
     fn: str = ""  # the @triton.jit function; "" = KERNELS[kernel]
     kv_cache: str = "auto"  # "fp8": the cache pointers are float8e4nv
+    pointers: dict = field(default_factory=dict)  # pointer argument -> element type, if not dtype's
 
     @property
     def label(self) -> str:
@@ -142,12 +136,13 @@ def kernel_specs(
     kv_cache: str = "auto",  # "fp8": the binary for a float8_e4m3fn cache
 ) -> KernelSpec:
     "The binary the attention launchers build for `kernel` on this dtype, GPU and head size(s)."
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
     D, dt, cap = head_dims[0], getattr(torch, dtype), ARCHS[arch].capability
-    fp32, kv = dtype == "float32", dict(kv_cache=kv_cache, module=KERNEL_MODULES.get(kernel, ""))
+    fp32, kv = dtype == "float32", dict(kv_cache=kv_cache, module=KERNEL_MODULES[kernel])
     if kernel == "write_kv":
-        return KernelSpec(
-            kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D), FP8=kv_cache == "fp8"), **kv
-        )
+        cx = dict(BLOCK_D=block_d(D), FP8=kv_cache == "fp8")
+        return KernelSpec(kernel, dtype, arch, head_dims, cx, **kv)
     if kernel == "reduce_splits":
         return KernelSpec(kernel, dtype, arch, head_dims, dict(BLOCK_D=block_d(D)), **kv)
     if kernel in ("decode", "decode_split"):
@@ -160,66 +155,41 @@ def kernel_specs(
             IS_FP32=fp32,
         )
         return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
-    if kernel == "prefill":
-        t = attention_tiles("prefill", D, dt, cap, kv_cache == "fp8")
-        cx = dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32)
-        return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
-    raise ValueError(f"kernel must be one of {list(ATTENTION_KERNELS)}, got {kernel!r}")
+    t = attention_tiles("prefill", D, dt, cap, kv_cache == "fp8")
+    cx = dict(BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_FP32=fp32)
+    return KernelSpec(kernel, dtype, arch, head_dims, cx, t.num_warps, t.num_stages, **kv)
 
 
-def gemm_specs(kernel: str, dtype: str, arch: str) -> list[KernelSpec]:
-    "The binaries of the int8-weight GEMM (15) or the fused-MoE GEMM (16): one per row tile."
-    from hetero_infer.moe.kernels import fused_moe_tiles
-    from hetero_infer.quant.kernels import int8_matmul_tiles
+# %% ../../../nbs/04a_kernel_resources.ipynb #3df9224e
+KERNEL_SPECS: dict = {}  # later chapters' binaries: name -> fn(arch, dtype) -> [KernelSpec]
 
-    mod = dict(module=KERNEL_MODULES.get(kernel, ""))
-    if kernel == "int8_matmul":  # decode batches (<= 16 rows) and beyond
-        tiles = {int8_matmul_tiles(M, getattr(torch, dtype)) for M in (1, 17)}
-        cxs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk) for bm, bn, bk in sorted(tiles)]
-        return [KernelSpec(kernel, dtype, arch, (64,), cx, **mod) for cx in cxs]
-    if kernel == "fused_moe":  # few pairs per expert (16-row tiles) and many; gated and plain
-        dt = getattr(torch, dtype)
-        tiles = sorted({fused_moe_tiles(n, 8, dt) for n in (8, 8 * 17)})
-        return [
-            KernelSpec(
-                kernel,
-                dtype,
-                arch,
-                (64,),
-                dict(GATED=g, MUL_WEIGHT=not g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
-                **mod,
-            )  # fmt: skip
-            for g in (True, False)
-            for bm, bn, bk in tiles
-        ]
-    raise ValueError(f"kernel must be one of {list(GEMM_KERNELS)}, got {kernel!r}")
+
+def register_kernel_specs(fn):
+    "Let `fn(arch, dtype)` add a later chapter's binaries to `launch_specs` (registered by name)."
+    KERNEL_SPECS[fn.__name__] = fn  # registered again: replaced
+    return fn
 
 
 def launch_specs(
-    archs=tuple(ARCHS), dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, kernels=tuple(KERNELS)
+    archs=tuple(ARCHS), dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, kernels=ATTENTION_KERNELS
 ) -> list[KernelSpec]:
     "Every distinct binary the engine can launch for these GPUs, dtypes and head sizes."
     specs = []
-    for arch in archs:
+    for arch, dtype in [(a, d) for a in archs for d in dtypes]:
+        if dtype == "bfloat16" and not supports_bf16(ARCHS[arch].capability):
+            continue
+        groups = {}
+        for D in head_dims:
+            groups.setdefault((block_d(D), D % 16 == 0), []).append(D)  # one binary per group
+        attn = [k for k in kernels if k in ATTENTION_KERNELS]
+        specs += [kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in attn]
         fp8 = tuple(ARCHS[arch].capability) >= FP8_CAPABILITY
-        for dtype in dtypes:
-            if dtype == "bfloat16" and not supports_bf16(ARCHS[arch].capability):
-                continue
-            groups = {}
-            for D in head_dims:
-                groups.setdefault((block_d(D), D % 16 == 0), []).append(D)  # one binary per group
-            attn = [k for k in kernels if k in ATTENTION_KERNELS]
+        if fp8 and dtype != "float32":  # fp32 + fp8 cache: the torch backend (it spills)
             specs += [
-                kernel_specs(k, dtype, arch, tuple(ds)) for ds in groups.values() for k in attn
+                kernel_specs(k, dtype, arch, tuple(ds), "fp8")
+                for ds in groups.values()
+                for k in attn
+                if k in FP8_KERNELS
             ]
-            if fp8 and dtype != "float32":  # fp32 + fp8 cache: the torch backend (it spills)
-                specs += [
-                    kernel_specs(k, dtype, arch, tuple(ds), "fp8")
-                    for ds in groups.values()
-                    for k in attn
-                    if k in FP8_KERNELS
-                ]
-            if supports_bf16(ARCHS[arch].capability):  # sm_80 on: the GEMMs spill on a T4
-                gemm = [k for k in kernels if k in GEMM_KERNELS]
-                specs += [s for k in gemm for s in gemm_specs(k, dtype, arch)]
+        specs += [spec for fn in KERNEL_SPECS.values() for spec in fn(arch, dtype)]
     return specs
