@@ -18,7 +18,11 @@ from .structured.grammar import StructuredOutputsParams  # noqa: E402, F401
 # the later chapters plug into the engine, the server and the CLI when imported, in book order
 import hetero_infer.bench.main  # noqa: E402, F401
 import hetero_infer.spec_decode.speculator  # noqa: E402, F401
+import hetero_infer.parallel.runner  # noqa: E402, F401
 import hetero_infer.structured.plugin  # noqa: E402, F401
 import hetero_infer.structured.openai  # noqa: E402, F401
 import hetero_infer.structured.cli  # noqa: E402, F401
+import hetero_infer.quant.plugin  # noqa: E402, F401
+import hetero_infer.moe.model  # noqa: E402, F401
+import hetero_infer.moe.parallel  # noqa: E402, F401
 import hetero_infer.kv_offload.plugin  # noqa: E402, F401

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from ..cli.flags import register_engine_flags
 from ..core.config import register_config_check
-from ..engine.plugins import EnginePlugin, register_plugin
+from ..engine.plugins import EngineDeadError, EnginePlugin, register_plugin
 from ..model.layers import LlamaModel
 from ..model.loading import parse_config, resolve_device, resolve_dtype
 from ..model.runner import ModelRunner
@@ -319,6 +319,11 @@ class TensorParallel(EnginePlugin):
         else:
             self.runner = start_workers(config, world)
         return self.runner
+
+    def before_schedule(self, engine) -> None:
+        "A dead worker or a failed collective: no step can ever run again."
+        if self.runner.broken:
+            raise EngineDeadError(self.runner.broken)
 
     def stats(self, engine) -> dict:
         broken = {"fatal": self.runner.broken} if self.runner.broken else {}

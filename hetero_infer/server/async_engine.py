@@ -16,7 +16,6 @@ from ..core.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
 from ..engine.plugins import EngineDeadError
 
-
 # %% auto #0
 __all__ = [
     "ServerOverloaded",
