@@ -171,3 +171,38 @@ def test_no_decode_instance_is_a_503():
     finally:
         srv.should_exit = True
         srv.thread.join(10)
+
+
+def test_chat_streamed_and_not_through_prefill_and_decode_in_one_process():
+    "The shipped demo model (it has a chat template): chat completions split across two roles."
+    from hetero_infer.server.app import build_app
+
+    cfg = dict(device="cpu", dtype="float32", block_size=4, num_blocks=256)
+    apps = [
+        build_app(LLMEngine(EngineConfig(**cfg))),
+        role_app(KVRoleConfig(**cfg, kv_role="prefill", kv_address="127.0.0.2")),
+        role_app(KVRoleConfig(**cfg, kv_role="decode", kv_address="127.0.0.1")),
+    ]
+    servers = [serve_in_thread(a) for a in apps]
+    try:
+        (_, one), (_, pre), (_, dec) = servers
+        for u in (one, pre, dec):
+            wait_ready(u)
+        proxy, x = serve_in_thread(build_proxy_app(Backends([pre], [dec])))
+        servers.append((proxy, x))
+        msgs = [{"role": "user", "content": "What is seven plus eight? Answer briefly."}]
+        body = dict(messages=msgs, max_tokens=8, temperature=0)
+        ask = lambda u: httpx.post(u + "/v1/chat/completions", json=body, timeout=60).json()
+        want = ask(one)["choices"][0]["message"]["content"]
+        assert ask(x)["choices"][0]["message"]["content"] == want
+        text = ""
+        with httpx.stream("POST", x + "/v1/chat/completions", json=body | {"stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        assert text == want
+        assert scrape(dec)["hetero_infer:kv_transfer_received_tokens_total"] > 0
+    finally:
+        for s, _ in servers:
+            s.should_exit = True
+            s.thread.join(10)
