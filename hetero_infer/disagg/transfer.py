@@ -35,6 +35,7 @@ __all__ = [
     "split_address",
     "local_host_for",
     "pair_group",
+    "store_client",
     "close_all",
     "KVReceiver",
     "KVSender",
@@ -149,6 +150,11 @@ def pair_group(store, name: str, rank: int, host: str, timeout: float) -> Proces
 
 
 # %% ../../nbs/19_disaggregation.ipynb #af2ca670
+def store_client(host: str, port: int) -> TCPStore:
+    "A connection of its own to a store (a blocking `wait` holds its connection)."
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(days=1))
+
+
 LIVE: weakref.WeakSet = weakref.WeakSet()  # open senders and receivers, closed at exit
 
 
@@ -160,6 +166,7 @@ def close_all() -> None:
         end.close()
 
 
+# %% ../../nbs/19_disaggregation.ipynb #c5d2a1c0
 class KVReceiver:
     "A decode instance's end: pairs made on request at its address; payloads kept until taken."
 
@@ -180,13 +187,8 @@ class KVReceiver:
     def __repr__(self):
         return f"KVReceiver({self.address}, {len(self.arrived)} arrived)"
 
-    def _client(self) -> TCPStore:
-        "A connection of its own to the store (a blocking `wait` holds its connection)."
-        day = datetime.timedelta(days=1)
-        return TCPStore(self.host, self.store.port, is_master=False, timeout=day)
-
     def _accept(self):
-        k, store = 1, self._client()
+        k, store = 1, store_client(self.host, self.store.port)
         while not self.closed:
             try:
                 store.wait([f"kv/pair/{k}"])  # close() sets the next key to wake us
@@ -200,7 +202,9 @@ class KVReceiver:
     def _serve(self, k: int):
         "Receive transfers on pair `k` until it breaks or idles past the timeout."
         try:
-            pg = pair_group(self._client(), f"kv/pg/{k}", 1, self.host, self.timeout)
+            pg = pair_group(
+                store_client(self.host, self.store.port), f"kv/pg/{k}", 1, self.host, self.timeout
+            )
         except Exception:
             return
         hdr, ack = torch.empty(HEADER_BYTES, dtype=torch.uint8), torch.ones(1, dtype=torch.int64)
