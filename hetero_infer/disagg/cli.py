@@ -19,8 +19,11 @@ from .proxy import Backends, build_proxy_app
 # %% auto #0
 __all__ = [
     "KV_FLAGS",
+    "PROXY_HELP",
     "add_proxy_arguments",
     "run_proxy",
+    "add_proxy_parser",
+    "cmd_proxy",
     "proxy_main",
     "free_port",
     "without_flags",
@@ -94,28 +97,34 @@ def run_proxy(
     return 0
 
 
-def proxy_main(argv: list[str] | None = None) -> int:
-    "`hetero-infer proxy ...`: exit status 2 and one line on bad flags."
-    p = argparse.ArgumentParser(
-        prog="hetero-infer proxy", description="One OpenAI endpoint over instances."
-    )
+PROXY_HELP = "one OpenAI endpoint over prefill and decode instances, or over replicas"
+
+
+def add_proxy_parser(sub) -> argparse.ArgumentParser:
+    "`proxy`'s parser among `hetero-infer`'s sub-commands `sub` (argparse subparsers)."
+    p = sub.add_parser("proxy", help=PROXY_HELP, description=f"Serve {PROXY_HELP}.")
     add_proxy_arguments(p)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return p
+
+
+def cmd_proxy(args) -> int:
+    "Run `hetero-infer proxy` from its parsed flags; 2 when they make no deployment."
     try:
         Backends(args.prefill, args.decode, args.replica)
     except ValueError as e:
         print(f"hetero-infer: error: {e}", file=sys.stderr)
         return 2
+    a = args
     return run_proxy(
-        args.prefill,
-        args.decode,
-        args.replica,
-        args.host,
-        args.port,
-        args.policy,
-        args.timeout,
-        args.log_level,
+        a.prefill, a.decode, a.replica, a.host, a.port, a.policy, a.timeout, a.log_level
     )
+
+
+def proxy_main(argv: list[str] | None = None) -> int:
+    "`hetero-infer proxy FLAGS`, from its flags alone."
+    ap = argparse.ArgumentParser(prog="hetero-infer")
+    add_proxy_parser(ap.add_subparsers(dest="command", required=True))
+    return cmd_proxy(ap.parse_args(["proxy", *(sys.argv[1:] if argv is None else argv)]))
 
 
 # %% ../../nbs/19_disaggregation.ipynb #f71c4de0
