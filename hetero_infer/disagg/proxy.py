@@ -111,12 +111,13 @@ class Backends:
         self.prefill = Router(prefill, policy)
         self.decode = Router(decode or replicas, policy if replicas else "cache_aware")
         self.metrics, self.timeout = ProxyMetrics(), httpx.Timeout(timeout, connect=5.0)
-        self.kv_addresses: dict[str, str] = {}  # decode url -> HOST:PORT it receives KV at
+        self.kv_addresses: dict[str, tuple] = {}  # decode url -> (HOST:PORT of its KV, when read)
         self.client: httpx.AsyncClient | None = None  # made when the app starts
 
     async def kv_address(self, url: str) -> str | None:
-        "Where decode instance `url` receives KV (its /metrics says), or None."
-        if url not in self.kv_addresses:
+        "Where decode instance `url` receives KV (its /metrics says, read again after 10 s)."
+        known = self.kv_addresses.get(url)
+        if known is None or time.monotonic() - known[1] > 10:  # it may have restarted
             try:
                 text = (await self.client.get(url + "/metrics", timeout=5)).text
             except httpx.HTTPError:
@@ -124,8 +125,8 @@ class Backends:
             m = re.search(r'kv_transfer_info\{address="([^"]+)",role="decode"\}', text)
             if m is None:
                 return None
-            self.kv_addresses[url] = m[1]
-        return self.kv_addresses[url]
+            self.kv_addresses[url] = known = (m[1], time.monotonic())
+        return known[0]
 
     async def send(self, url: str, role: str, router: Router, path: str, body: dict, headers):
         "POST to one instance; its response (a stream is relayed as it comes) or `BackendDown`."
