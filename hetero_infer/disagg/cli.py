@@ -199,23 +199,23 @@ def serve_main(argv: list[str]) -> int:
         mine.add_argument(*flags, dest=name, type=typ, choices=choices, default=None, help=help)
     extra = mine.parse_args(rest)
     try:
-        cfg, opts = engine_config(args), serve_options(args)
+        opts = serve_options(args)
         kv = {k: getattr(extra, k) for k in KV_FLAGS if getattr(extra, k) is not None}
-        if extra.data_parallel_size < 1 or (extra.data_parallel_size > 1 and kv):
+        cfg = engine_config(args)  # (the KV flags join it below, or are its own fields)
+        config = KVRoleConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, **kv)
+        dp = extra.data_parallel_size
+        if dp < 1 or (dp > 1 and config.kv_role):
             raise UsageError("--data-parallel-size", "must be >= 1, and 1 with --kv-role")
         check_port(opts["host"], opts["port"])
-        if extra.data_parallel_size > 1:
+        if dp > 1:
             flags = ("--host", "--port", "--data-parallel-size")
-            return serve_data_parallel(
-                without_flags(argv, flags), extra.data_parallel_size, opts["host"], opts["port"]
-            )
-        if not kv:
+            return serve_data_parallel(without_flags(argv, flags), dp, opts["host"], opts["port"])
+        if config.kv_role is None:
             from hetero_infer.server.serve import serve
 
             return serve(cfg, **opts)
         from hetero_infer.disagg.serve import serve_with_role
 
-        config = KVRoleConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, **kv)
         return serve_with_role(config, **opts)
     except ValueError as e:
         print(f"hetero-infer: error: {e}", file=sys.stderr)
