@@ -534,14 +534,14 @@ def test_compressed_checkpoint_refused_with_tensor_parallelism(ct_source):
 
 def test_bench_quantization_flags_parse_and_refuse():
     import argparse
-    from hetero_infer.bench.main import _speculative_config
+    from hetero_infer.bench.main import feature_config
     from hetero_infer.bench.args import add_bench_arguments
 
     ap = argparse.ArgumentParser()
     add_bench_arguments(ap)
     a = ap.parse_args(["offline", "--quantization", "w8a8", "--kv-cache-dtype", "fp8"])
-    assert _speculative_config(a) == {"quantization": "w8a8", "kv_cache_dtype": "fp8"}
-    assert _speculative_config(ap.parse_args(["offline"])) is None
+    assert feature_config(a) == {"quantization": "w8a8", "kv_cache_dtype": "fp8"}
+    assert feature_config(ap.parse_args(["offline"])) is None
     for bad in (["--quantization", "int4"], ["--kv-cache-dtype", "fp8_e5m2"]):
         with pytest.raises(SystemExit) as e:
             ap.parse_args(["offline", *bad])

@@ -343,7 +343,7 @@ def test_prefix_cache_holds_only_accepted_kv(tmp_path):
     for o in outs:
         toks = o.prompt_token_ids + o.outputs[0].token_ids
         written |= {tuple(toks[i : i + 8]) for i in range(0, len(toks) - 7, 8)}
-    cached = [bm.blocks[b].token_ids for b in bm.cached.values()]
+    cached = [bm.blocks[b].token_ids for b in bm.cache.cached.values()]
     assert cached and all(t in written for t in cached)
     again = LLM(str(path), num_blocks=128, **CPU).generate(
         [o.prompt_token_ids + o.outputs[0].token_ids[:20] for o in outs],

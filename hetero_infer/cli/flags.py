@@ -88,7 +88,7 @@ ENGINE_FLAGS = {
         "seed of the engine's default generator"),
 }
 # fmt: on
-BENCH_FLAGS: set = set()  # fields `bench` takes too: ours runs with them, ours-plain without
+BENCH_FLAGS: dict = {}  # fields `bench` takes too (ours with them, ours-plain without), in order
 
 
 def register_engine_flags(table: dict, bench: bool = False) -> None:

@@ -59,6 +59,7 @@ class SamplingParams:
     min_tokens: int = 0  # no stop (eos, stop ids, stop strings) before this many tokens
     logprobs: int | None = None  # return this many top logprobs per token, plus the chosen one
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    extra_args: dict | None = None  # per-request data for a later chapter's plugin (vLLM's)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     detokenize: bool = True  # False: token ids only, the text stays "" (no stop strings then)
@@ -163,6 +164,8 @@ def check_output(p: SamplingParams):
             f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}",
         )
     check_bool(p, "skip_special_tokens", "include_stop_str_in_output", "detokenize")
+    ok = p.extra_args is None or isinstance(p.extra_args, dict)
+    check_field(ok, "extra_args", f"must be a dict or None, got {p.extra_args!r}")
     check_field(
         p.detokenize or not p.stop,
         "stop",

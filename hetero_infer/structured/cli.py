@@ -31,11 +31,22 @@ def add_constraint_flags(parser) -> None:
     "`generate`'s constraint flags, at most one of them."
     g = parser.add_mutually_exclusive_group()
     g.add_argument(
-        "--json-schema", metavar="FILE", help="outputs are JSON valid under this schema file"
+        "--json-schema",
+        metavar="FILE",
+        help="outputs are JSON valid under this schema file (default: none)",
     )
-    g.add_argument("--regex", metavar="R", help="outputs match this regular expression")
-    g.add_argument("--choice", nargs="+", metavar="TEXT", help="outputs are one of these strings")
-    g.add_argument("--grammar", metavar="FILE", help="outputs follow this EBNF grammar file")
+    g.add_argument(
+        "--regex", metavar="R", help="outputs match this regular expression (default: none)"
+    )
+    g.add_argument(
+        "--choice",
+        nargs="+",
+        metavar="TEXT",
+        help="outputs are one of these strings (default: none)",
+    )
+    g.add_argument(
+        "--grammar", metavar="FILE", help="outputs follow this EBNF grammar file (default: none)"
+    )
 
 
 def apply_constraint_flags(args, sampling_kwargs: dict) -> None:

@@ -201,12 +201,12 @@ def check_structured_outputs(params) -> None:
         return
     if not isinstance(value, dict):
         raise ValueError(
-            "structured_outputs: must be a StructuredOutputsParams or a dict of its fields, "
+            "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
             f"got {value!r}"
         )
     unknown = sorted(set(value) - set(_FIELDS))
     if unknown:
-        raise ValueError(f"structured_outputs: unknown field(s) {unknown}; known: {list(_FIELDS)}")
+        raise ValueError(f"structured_outputs unknown field(s) {unknown}; known: {list(_FIELDS)}")
     params.structured_outputs = StructuredOutputsParams(**value)
 
 
