@@ -226,6 +226,11 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap" a preempted request's KV out (17_kv_offload)
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (17)
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix blocks; 0: off (17)
+    # disaggregation (19): "prefill" or "decode" (vLLM's kv_producer, kv_consumer), None: off;
+    # where a decode instance receives KV (HOST[:PORT]) or a prefill instance sends from (HOST)
+    kv_role: str | None = None
+    kv_address: str | None = None
+    kv_transfer_timeout: float = 30.0  # seconds a decode instance waits for KV, then prefills
 
     def __post_init__(self):
         for check in CONFIG_CHECKS:  # this chapter's first, then later chapters' in book order
