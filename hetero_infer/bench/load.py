@@ -232,6 +232,8 @@ def free_port() -> int:
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     "Whether something holds `host:port` (a server listening there, or a socket bound to it)."
     with socket.socket() as s:
+        # as servers bind: closed connections still in TIME_WAIT do not hold the port
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -285,6 +287,7 @@ class Running:
     url: str
     startup_s: float
     log: object  # the file its stdout and stderr go to
+    pid: int = 0  # its process, the leader of its process group
 
     def tail(self, n: int = 20) -> str:
         "The last `n` lines the server printed."
@@ -346,6 +349,7 @@ def launch(spec: ServerSpec, startup_timeout: float = 600, log=print):
         env={**os.environ, **spec.env},
         start_new_session=True,  # its own process group: Ctrl-C here reaches it through `finally`
     )
+    run.pid = proc.pid
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _interrupted) if main else None  # SIGTERM as Ctrl-C
     try:

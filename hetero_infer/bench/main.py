@@ -29,6 +29,7 @@ from .vllm import check_vllm_python
 from .load import format_serve, ours_server, plot_rate_sweep, serve_bench
 from .served import check_vllm_server, format_served, served_comparison
 from .served import vllm_server
+from .threads import cpu_threads
 from .args import add_bench_arguments
 from ..cli.config import usage_error
 from ..cli.flags import BENCH_FLAGS, ENGINE_FLAGS, register_command
@@ -298,8 +299,12 @@ def _serve_peers(args, python, model, wl, rates, serve_args, flags, env) -> dict
         vllm_server(python, model, flags, vllm_args, args.port, args.threads),
     ]
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+    chosen = cpu_threads()  # what ours' runner picks when it starts, unless --threads is given
     timeout = args.startup_timeout
-    return served_comparison(specs, wl, rates, args.seed, args.max_concurrency, timeout, slo)
+    res = served_comparison(specs, wl, rates, args.seed, args.max_concurrency, timeout, slo)
+    ours = res["servers"]["ours"]
+    ours["threads"] = ours["threads"] or f"{chosen} (the cores the load average left idle)"
+    return res
 
 
 # %% ../../nbs/11_benchmarks.ipynb #a263539c

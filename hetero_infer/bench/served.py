@@ -71,10 +71,11 @@ def vllm_server(
 
 
 # %% ../../nbs/11_benchmarks.ipynb #a5e1c0d8
-def _threads_line(text: str) -> str | None:
-    "The line where a server says how many threads it computes with, if it says."
-    pat = r"intra-op threads|OMP threads binding|OMP_NUM_THREADS|omp_num_threads"
-    return next((ln.strip()[-160:] for ln in text.splitlines() if re.search(pat, ln)), None)
+def _threads(spec: ServerSpec, log: str) -> str | None:
+    "The threads a server computes with: the line where it says (vLLM), else OMP_NUM_THREADS."
+    said = [ln.strip()[-120:] for ln in log.splitlines() if re.search(r"core ids=", ln)]
+    given = spec.env.get("OMP_NUM_THREADS")
+    return said[0] if said else f"OMP_NUM_THREADS={given}" if given else None
 
 
 def _version(url: str) -> str | None:
@@ -106,7 +107,7 @@ def served_comparison(
                 run.url, wl, rates, seed, *slo, None, None, max_concurrency, log
             )
             version = _version(run.url)
-            threads = _threads_line(run.tail(2000))
+            threads = _threads(spec, run.tail(2000))
         servers[spec.name] = dict(
             argv=spec.argv,
             env=spec.env,
