@@ -160,7 +160,8 @@ def test_served_comparison_with_ours_on_both_sides():
 def canned(tok_s, ttft, itl, startup, failed=0):
     lat = lambda p50, p99: {"mean_ms": p50, "p50_ms": p50, "p90_ms": p99, "p99_ms": p99}
     run = {"rate": "burst", "completed": 8 - failed, "failed": failed, "output_throughput": tok_s}
-    run |= {"ttft": lat(ttft, 2 * ttft), "itl": lat(itl, 4 * itl), "errors": []}
+    run |= {"ttft": lat(ttft, 2 * ttft), "itl": lat(itl, 4 * itl), "tpot": lat(itl, itl)}
+    run |= {"errors": [], "tokens_per_chunk": 1.0}
     if failed == 8:
         run |= {"output_throughput": 0.0, "ttft": lat(None, None), "errors": ["HTTP 500: x"]}
     return {"startup_s": startup, "load_avg_1min": 1.0, "runs": [run]}
@@ -182,11 +183,9 @@ def test_ratios_and_table():
     assert (r["TTFT p50"], r["TTFT p99"]) == (pytest.approx(0.5), pytest.approx(0.5))
     assert (r["ITL p50"], r["ITL p99"]) == (pytest.approx(1.25), pytest.approx(1.25))
     lines = format_served(res).splitlines()
-    assert "| burst | ours | 8 | 0 | 300 | 50.0 | 100.0 | 10.0 | 40.0 |" in lines
-    assert (
-        "| burst | ours ÷ vLLM | | | **1.50×** | **0.50×** | **0.50×** | **1.25×** | **1.25×** |"
-        in (lines)
-    )
+    assert "| burst | ours | 8 | 0 | 1.0 | 300 | 50.0 | 100.0 | 10.0 | 40.0 | 10.0 |" in lines
+    ratio_row = "| burst | ours ÷ vLLM | | | | **1.50×** | **0.50×** | **0.50×** | "
+    assert ratio_row + "**1.25×** | **1.25×** | **1.25×** |" in lines
     assert any("ours 5.0, vLLM 40.0 (ours ÷ vLLM 0.12×)" in ln for ln in lines)
 
 
@@ -195,7 +194,7 @@ def test_a_failed_side_has_no_ratio_and_its_errors_are_shown():
     (r,), _ = served_ratios(res)
     assert r["out tok/s"] is None and r["TTFT p50"] is None
     table = format_served(res)
-    assert "| burst | vLLM | 0 | 8 |" in table and "vLLM errors: ['HTTP 500: x']" in table
+    assert "| burst | vLLM | 0 | 8 | 1.0 |" in table and "vLLM errors: ['HTTP 500: x']" in table
 
 
 # ---- vLLM's spec and the command's errors

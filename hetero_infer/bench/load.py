@@ -127,6 +127,9 @@ def serve_metrics(
         "itl": latency_stats([x for r in ok for x in r.itls]),
         "e2e": latency_stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in recs if r.error})[:5],
+        # a server may send several tokens in one chunk: ITL is then per chunk, TPOT per token
+        "tokens_per_chunk": sum(r.output_len for r in ok)
+        / max(1, sum(len(r.token_times) for r in ok)),
     }
 
 
@@ -413,7 +416,7 @@ def measure_server(
     run_load(url, name, warm, float("inf"), seed, api_key)
     runs = []
     for rate in rates:
-        log(f"rate {rate:g} req/s: {len(wl)} requests ...")
+        log(f"{'burst' if math.isinf(rate) else f'rate {rate:g} req/s'}: {len(wl)} requests ...")
         recs, dur = run_load(url, name, wl, rate, seed, api_key, max_concurrency=max_concurrency)
         rate = "burst" if math.isinf(rate) else rate
         runs.append({"rate": rate, **serve_metrics(recs, dur, slo_ttft_ms, slo_tpot_ms)})

@@ -139,6 +139,7 @@ SERVED_METRICS = {  # column -> (metric, key) of `serve_metrics`
     "TTFT p99": ("ttft", "p99_ms"),
     "ITL p50": ("itl", "p50_ms"),
     "ITL p99": ("itl", "p99_ms"),
+    "TPOT p50": ("tpot", "p50_ms"),
 }
 
 
@@ -171,17 +172,20 @@ def format_served(res: dict, a: str = "ours", b: str = "vLLM") -> str:
         f"latencies in ms",
         f"machine: {machine_label(m)}; load average {m['load_avg_1min']:.2f} at the end",
         "",
-        "| rate | server | done | failed | " + " | ".join(cols) + " |",
-        "|---|---|---|---|" + "---|" * len(cols),
+        "| rate | server | done | failed | tok/chunk | " + " | ".join(cols) + " |",
+        "|---|---|---|---|---|" + "---|" * len(cols),
     ]
     num = lambda x, col: "—" if x is None else f"{x:,.0f}" if col == "out tok/s" else f"{x:,.1f}"
     for i, ratio in enumerate(ratios):
         for s in (a, b):
             r = res["servers"][s]["runs"][i]
             figs = " | ".join(num(_figure(r, c), c) for c in cols)
-            lines.append(f"| {r['rate']} | {s} | {r['completed']} | {r['failed']} | {figs} |")
+            tpc = f"{r['tokens_per_chunk']:.1f}" if "tokens_per_chunk" in r else "—"
+            lines.append(
+                f"| {r['rate']} | {s} | {r['completed']} | {r['failed']} | {tpc} | {figs} |"
+            )
         figs = " | ".join("—" if ratio[c] is None else f"**{ratio[c]:.2f}×**" for c in cols)
-        lines.append(f"| {ratio['rate']} | {a} ÷ {b} | | | {figs} |")
+        lines.append(f"| {ratio['rate']} | {a} ÷ {b} | | | | {figs} |")
     sa, sb = res["servers"][a], res["servers"][b]
     lines += [
         "",
