@@ -72,8 +72,8 @@ def vllm_server(
 
 # %% ../../nbs/11_benchmarks.ipynb #a5e1c0d8
 def _threads(spec: ServerSpec, log: str) -> str | None:
-    "The threads a server computes with: the line where it says (vLLM), else OMP_NUM_THREADS."
-    said = [ln.strip()[-120:] for ln in log.splitlines() if re.search(r"core ids=", ln)]
+    "The threads a server computes with: the cores it says it binds (vLLM), else OMP_NUM_THREADS."
+    said = re.search(r"core ids=\[[^\]]*\]", log)
     given = spec.env.get("OMP_NUM_THREADS")
     return said[0] if said else f"OMP_NUM_THREADS={given}" if given else None
 
