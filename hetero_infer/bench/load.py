@@ -367,6 +367,7 @@ def launch(spec: ServerSpec, startup_timeout: float = 600, log=print):
             signal.signal(signal.SIGTERM, old)
 
 
+# %% ../../nbs/11_benchmarks.ipynb #a5e1c0e3
 @contextlib.contextmanager
 def serving(
     url: str | None = None,
