@@ -234,11 +234,11 @@ def _cmd_serve(args) -> int:
         args.peers = "vllm"
     if args.peers and args.plot:
         raise ValueError("--plot: the rate-sweep plot is of one server; leave out --peers")
+    features = feature_config(args)
+    _check_url(args, features)
     vllm_python = check_vllm_server(args.vllm_python) if args.peers else None
     check_output(args.output, "--output")
     check_output(args.plot, "--plot")
-    features = feature_config(args)
-    _check_url(args, features)
     device = "cpu" if not torch.cuda.is_available() else "cuda"
     flags, env = _serve_settings(args, device)
     model, _ = _resolve_model(args)
