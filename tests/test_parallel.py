@@ -14,6 +14,7 @@ import time
 import pytest
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM, EngineStepError
+from hetero_infer.engine.plugins import EngineDeadError
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 
@@ -175,8 +176,8 @@ def _children(pid: int) -> list[int]:
 
 
 def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
-    """A worker killed mid-run: the running requests end with an error naming the rank, promptly;
-    later ones are refused too."""
+    """A worker killed mid-run: the step raises `EngineDeadError` naming the rank, promptly, with
+    the running requests ended with that error as its outputs; later ones are refused too."""
     _model(tmp_path, "llama")
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
     try:
@@ -190,8 +191,10 @@ def test_dead_worker_ends_the_engine_with_an_error(tmp_path):
         worker = eng.runner.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
         t, outs = time.time(), []
-        while eng.has_unfinished_requests() and time.time() - t < 60:
-            outs += eng.step()
+        with pytest.raises(EngineDeadError, match="worker rank 1 exited") as dead:
+            while eng.has_unfinished_requests() and time.time() - t < 60:
+                outs += eng.step()
+        outs += dead.value.outputs  # every request it held, ended with the error
         assert time.time() - t < 60 and not eng.has_unfinished_requests()
         finals = [o for o in outs if o.finished]
         assert len(finals) == 3 and all(

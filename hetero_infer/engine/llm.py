@@ -18,6 +18,7 @@ from ..core.outputs import RequestOutput
 from ..model.loading import dtype_name
 from .tokenization import render_chat
 from .llm_engine import LLMEngine
+from .plugins import EngineDeadError
 
 # %% auto #0
 __all__ = [
@@ -177,6 +178,13 @@ class LLM:
         prompts = [render_chat(self.engine.tokenizer, c, **kw) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def _step(self) -> list[RequestOutput]:
+        "One engine step; an engine that broke for good has ended every request with its error."
+        try:
+            return self.engine.step()
+        except EngineDeadError as e:  # generate then raises EngineStepError with the outputs
+            return e.outputs
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         "Step until this call's requests are done (outputs built only for finished requests)."
         done, t0, n_in, n_out = {}, time.perf_counter(), 0, 0
@@ -185,7 +193,7 @@ class LLM:
         try:
             with tqdm(**opts, disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
-                    for o in (o for o in self.engine.step() if o.finished):
+                    for o in (o for o in self._step() if o.finished):
                         done[o.request_id] = o
                         bar.update(1)
                         n_in += len(o.prompt_token_ids)

@@ -16,8 +16,13 @@ from ..core.config import DEMO_MODEL_DIR, EngineConfig
 from ..core.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
 from ..core.sequence import Sequence
-from .output_processor import OutputProcessor, abort_requests, fail_step
-from .plugins import PLUGINS
+from hetero_infer.engine.output_processor import (
+    OutputProcessor,
+    abort_requests,
+    fail_all,
+    fail_step,
+)
+from .plugins import PLUGINS, EngineDeadError
 from hetero_infer.engine.prompt_logprobs import (
     ask_prompt_logits,
     prompt_targets,
@@ -132,7 +137,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         "One step: schedule, execute, sample, update, outputs (and those of aborts since the last)."
         outputs = self.output.take_aborted()
-        self.hook("before_schedule")
+        try:
+            self.hook("before_schedule")
+        except EngineDeadError as e:  # a part broke for good: end every request, then say so
+            e.outputs = outputs + fail_all(self, e)
+            raise
         sched = self.scheduler.schedule()
         self.hook("after_schedule", sched)
         ask_prompt_logits(sched)  # requests scoring their prompt: a row per prompt token

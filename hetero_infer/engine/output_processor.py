@@ -12,7 +12,7 @@ from .request_state import RequestState
 from ..scheduler.output import SchedulerOutput
 
 # %% auto #0
-__all__ = ["OutputProcessor", "abort_requests", "fail_request", "fail_step"]
+__all__ = ["OutputProcessor", "abort_requests", "fail_request", "fail_step", "fail_all"]
 
 
 # %% ../../nbs/07_engine.ipynb #e51e11bf
@@ -153,3 +153,9 @@ def fail_step(engine, sched: SchedulerOutput, err: Exception) -> list[RequestOut
         why = f"the engine step failed {req.failures} times (max_retry_attempts={limit})"
         outs.append(fail_request(engine, rid, f"{why}; last error: {msg}"))
     return outs
+
+
+def fail_all(engine, err: Exception) -> list[RequestOutput]:
+    "The engine broke for good: every request it holds ends with `err` as its error."
+    engine.last_error = err
+    return [fail_request(engine, rid, str(err)) for rid in list(engine.requests)]

@@ -88,7 +88,10 @@ class EnginePlugin:
 
 
 class EngineDeadError(RuntimeError):
-    "Raised by a plugin's hook when the engine can never step again (a worker process died)."
+    """Raised by a plugin's hook when the engine can never step again (a worker process died).
+    Out of `step`, its `outputs` are the final outputs of every request it ended with its error."""
+
+    outputs: list = []
 
 
 PLUGINS: list[type[EnginePlugin]] = []  # in registration order: the book's order

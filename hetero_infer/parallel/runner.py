@@ -345,5 +345,5 @@ def check_tensor_parallel_size(config) -> None:
 register_engine_flags({
     "tensor_parallel_size": (["--tensor-parallel-size", "-tp"], int, None,
         "processes one model is split across (tensor parallelism, 13_tensor_parallel)"),
-})
+}, bench=True)
 # fmt: on
