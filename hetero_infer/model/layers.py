@@ -3,7 +3,9 @@
 # %% auto #0
 __all__ = [
     "ACTIVATIONS",
+    "ROPE_BUILDERS",
     "MLP_FACTORIES",
+    "ATTENTION_FACTORIES",
     "PACK_MIN_WEIGHTS",
     "PACKED_LINEARS",
     "ModelConfig",
@@ -12,10 +14,14 @@ __all__ = [
     "rotate_half",
     "apply_rope",
     "rope_inv_freq",
+    "register_rope",
+    "model_rope",
     "MLP",
     "register_mlp",
     "make_mlp",
     "Attention",
+    "register_attention",
+    "make_attention",
     "DecoderLayer",
     "LlamaModel",
     "PackedLinear",
@@ -92,12 +98,13 @@ class RMSNorm(nn.Module):
 # %% ../../nbs/05_model.ipynb #965f6843
 def rope_cos_sin(
     positions,  # (T,) position of each token
-    inv_freq,
-):  # (D/2,) radians per position of each channel pair
+    inv_freq,  # (D/2,) radians per position of each channel pair
+    factor: float = 1.0,  # scales cos and sin (a rope's attention factor; 1.0 for most)
+):
     "cos and sin of every token's angles, (T, D) each, the D/2 angles repeated (rotate-half)."
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-    return emb.cos(), emb.sin()
+    return emb.cos() * factor, emb.sin() * factor
 
 
 def rotate_half(x):  # (..., D)
@@ -133,6 +140,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         0, 1
     )  # 0 for wavelen >= old/lo (slowed), 1 for wavelen <= old/hi (kept)
     return (1 - smooth) * inv / factor + smooth * inv
+
+
+# %% ../../nbs/05_model.ipynb #af677f43
+ROPE_BUILDERS: dict = {}  # later chapters' ropes by name, asked in order
+
+
+def register_rope(builder):
+    "Let `builder(c)` give a model's rope: (inv_freq (D/2,), attention factor), or None to pass."
+    ROPE_BUILDERS[builder.__name__] = builder  # registered again: replaced
+    return builder
+
+
+def model_rope(c: ModelConfig) -> tuple[torch.Tensor, float]:
+    "The speeds of the channel pairs RoPE turns and the factor on cos/sin: a builder's, or plain."
+    for builder in ROPE_BUILDERS.values():
+        if (rope := builder(c)) is not None:
+            return rope
+    return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), 1.0
 
 
 # %% ../../nbs/05_model.ipynb #303cc299
@@ -203,6 +228,24 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
+# %% ../../nbs/05_model.ipynb #f10abf92
+ATTENTION_FACTORIES: dict = {}  # later chapters' attention blocks by name, tried in order
+
+
+def register_attention(factory):
+    "Let `factory(c, layer, window)` build a layer's attention block, or return None to pass."
+    ATTENTION_FACTORIES[factory.__name__] = factory  # registered again: replaced
+    return factory
+
+
+def make_attention(c: ModelConfig, layer: int, window: int | None) -> nn.Module:
+    "Layer `layer`'s attention block: the first registered factory's, else `Attention`."
+    for factory in ATTENTION_FACTORIES.values():
+        if (block := factory(c, layer, window)) is not None:
+            return block
+    return Attention(c, window)
+
+
 # %% ../../nbs/05_model.ipynb #fdfb414c
 class DecoderLayer(nn.Module):
     "Pre-norm residual block: h = x + attn(norm(x)); h + mlp(norm(h))."
@@ -211,7 +254,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         window = c.layer_windows[layer] if c.layer_windows else None
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, window)
+        self.self_attn = make_attention(c, layer, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = make_mlp(c, layer)  # (T, hidden) -> (T, hidden)
 
@@ -232,16 +275,15 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False
-        )
+        inv_freq, self.rope_factor = model_rope(c)  # (D/2,) float32, and the factor on cos/sin
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.backend = get_attention_backend("torch")  # load_model and the runner pick another
 
     def forward(
         self, input_ids, positions, kv_caches, meta
     ):  # (T,), (T,), [(k_cache, v_cache)] * layers -> (T, hidden)
         "Final-normed hidden states of the flat batch; writes this step's K/V into the caches."
-        cos, sin = rope_cos_sin(positions, self.inv_freq)  # (T, D) each, shared by all layers
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_factor)  # (T, D), every layer
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta, self.backend)

@@ -5,7 +5,10 @@
 # %% auto #0
 __all__ = [
     "CPU_KV_CACHE_BYTES",
+    "CACHE_LAYOUTS",
     "RUNNER_SETUPS",
+    "register_cache_layout",
+    "cache_shapes",
     "kv_block_bytes",
     "activation_bytes",
     "cpu_num_blocks",
@@ -20,6 +23,7 @@ __all__ = [
 # %% ../../nbs/05_model.ipynb #c86b5fe9
 import json
 import logging
+import math
 from pathlib import Path
 import torch
 from ..attention.backend import AttentionMetadata
@@ -32,9 +36,27 @@ CPU_KV_CACHE_BYTES = 512 * 2**20  # KV-cache budget on CPU
 _log = logging.getLogger("hetero_infer.model.runner")  # what the runner set up, at start
 
 
+CACHE_LAYOUTS: dict = {}  # later chapters' cache layouts by name, asked in order
+
+
+def register_cache_layout(layout):
+    "Let `layout(c)` give the per-token shape of each of a layer's cache tensors, or None to pass."
+    CACHE_LAYOUTS[layout.__name__] = layout  # registered again: replaced
+    return layout
+
+
+def cache_shapes(c: ModelConfig) -> list[tuple]:
+    "Per token and layer, the shape of each cache tensor: K and V `(Hkv, D)`, or a layout's."
+    for layout in CACHE_LAYOUTS.values():
+        if (shapes := layout(c)) is not None:
+            return shapes
+    return [(c.num_kv_heads, c.head_dim)] * 2
+
+
 def kv_block_bytes(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    "Bytes one KV block takes over all layers, K and V."
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
+    "Bytes one KV block takes over all layers, every cache tensor (K and V)."
+    per_token = sum(math.prod(shape) for shape in cache_shapes(c))
+    return c.num_layers * block_size * per_token * dtype.itemsize
 
 
 def activation_bytes(model: LlamaModel, config, dtype: torch.dtype) -> int:
@@ -185,20 +207,22 @@ class ModelRunner:
         return gpu_num_blocks(per, self.device, cfg.gpu_memory_utilization, reserved)
 
     def allocate_cache(self, num_blocks: int) -> None:
-        "A zeroed K and V cache of `num_blocks` blocks in every layer, [NB, bs, Hkv, D] each."
+        "Zeroed cache tensors of `num_blocks` blocks in each layer: K and V, [NB, bs, Hkv, D] each."
         c = self.model.config
-        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        zeros = lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-        self.kv_caches = [(zeros(), zeros()) for _ in range(c.num_layers)]
+        zeros = lambda s: torch.zeros(
+            (num_blocks, self.block_size, *s), dtype=self.cache_dtype, device=self.device
+        )
+        self.kv_caches = [tuple(map(zeros, cache_shapes(c))) for _ in range(c.num_layers)]
         self.num_blocks = num_blocks
 
     def copy_blocks(self, copies):  # [(src_block, dst_block)]
-        "Copy each src block to its dst block in every layer's K and V cache."
+        "Copy each src block to its dst block in every cache tensor of every layer."
         if not copies:
             return
         src, dst = (torch.tensor(x, device=self.device) for x in zip(*copies))
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst], v_cache[dst] = k_cache[src], v_cache[src]
+        for caches in self.kv_caches:
+            for cache in caches:
+                cache[dst] = cache[src]
 
     def prepare(self, sched_out) -> tuple:
         "This step's input_ids, positions, AttentionMetadata and sampled rows, on the device."
