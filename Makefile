@@ -95,9 +95,10 @@ test: setup check-sync check-clean check-readme lint nbtest pytest
 # mutmut 3 (config in setup.cfg), module by module, niced; results accumulate in mutants/ (git-ignored), each run's log
 # in mutants/run-MODULE.log. Fails when mutmut fails. Score per module = killed / mutants checked (killed, survived,
 # timeout, suspicious, segfault); "no tests" (no selected test calls the function) and "not checked" are counted apart.
-MUTATION_MODULES ?= kv_cache.block_manager scheduler.scheduler scheduler.output scheduler.admission \
-  sample.sampler sample.penalties engine.llm engine.llm_engine engine.tokenization \
-  core.sampling_params core.sequence core.outputs core.config core.hpi_config
+MUTATION_MODULES ?= kv_cache.block_manager kv_cache.prefix_cache scheduler.scheduler scheduler.output \
+  scheduler.admission sample.sampler sample.penalties engine.llm engine.llm_engine \
+  engine.output_processor engine.request_state engine.prompt_logprobs engine.plugins \
+  engine.tokenization core.sampling_params core.sequence core.outputs core.config core.hpi_config
 mutation: setup
 	@mkdir -p mutants; for m in $(MUTATION_MODULES); do echo "== mutating hetero_infer.$$m (log: mutants/run-$$m.log)"; \
 	  CI=true OMP_NUM_THREADS=1 $(TEST_ENV) nice -n 19 $(BIN)/mutmut run --max-children 2 "hetero_infer.$$m.*" \

@@ -35,13 +35,16 @@ def render() -> str:
     nb = nbformat.read(root / "nbs" / "index.ipynb", as_version=4)
     cells = [c for c in nb.cells if not (c.cell_type == "code" and _hidden(c.source))]
     for c in cells:
-        if c.cell_type == "code":
+        if c.cell_type == "code" and re.search(r"^#\|\s*echo:\s*false\b", c.source, re.M):
+            shown = [o.get("data", {}).get("text/markdown", "") for o in c.get("outputs", [])]
+            c.cell_type, c.source = "markdown", "\n".join(shown)  # its output only: a table
+            c.pop("outputs", None)
+            c.pop("execution_count", None)
+        elif c.cell_type == "code":
             c.source = "\n".join(l for l in c.source.splitlines() if not l.startswith("#|")).strip()
         if c.cell_type == "markdown":
             c.source = repo_relative_images(c.source)  # engine_step.svg -> nbs/engine_step.svg
-    nb.cells = [
-        c for c in cells if c.source.strip()
-    ]  # a cell of directives only leaves nothing to show
+    nb.cells = [c for c in cells if c.source.strip()]  # a cell of directives only shows nothing
     nb.metadata["language_info"] = {"name": "python"}  # so code cells get ```python fences
     body, _ = MarkdownExporter(
         exclude_input_prompt=True, exclude_output_prompt=True

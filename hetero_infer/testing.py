@@ -19,6 +19,7 @@ __all__ = [
     "tiny_hf_checkpoint",
     "hf_shapes",
     "dummy_checkpoint",
+    "fail_forward",
 ]
 
 # %% ../nbs/04b_testing.ipynb #131b0061
@@ -334,3 +335,18 @@ def dummy_checkpoint(
     (path / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
     (path / "dummy.json").write_text(json.dumps(stamp))
     return path
+
+
+# %% ../nbs/04b_testing.ipynb #3292f2a9
+def fail_forward(model, calls: set, exc: BaseException | None = None):
+    """Make `model`'s forward raise `exc` (an injected out-of-memory error by default) on the given
+    call numbers (1-based); returns the hook's handle (`.remove()` it) and the call counter."""
+    exc = exc or RuntimeError("CUDA out of memory (injected)")
+    n = {"calls": 0}
+
+    def hook(module, args):
+        n["calls"] += 1
+        if n["calls"] in calls:
+            raise exc
+
+    return model.register_forward_pre_hook(hook), n

@@ -434,6 +434,39 @@ def test_cpp_backend_is_configurable_and_falls_back():
     assert torch.equal(got, want)
 
 
+# a function with enough code that a library cut short loses pages the loader maps anyway
+_BIG = "".join(f'extern "C" int f{i}(int x) {{ return x * {i} + {i % 7}; }}\n' for i in range(400))
+_LOAD = """
+import ctypes, sys
+from hetero_infer.attention.cpp import build_shared_library
+lib = build_shared_library("cut", sys.argv[1], ["-O0"], [])
+print(ctypes.CDLL(str(lib)).f399(2))
+"""
+
+
+@NEEDS_CXX
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.0])
+def test_a_cached_library_cut_short_is_built_again_never_loaded(tmp_path, keep):
+    "A .so in the kernel cache cut short (a crash after the rename, a full disk) is rebuilt."
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HETERO_INFER_CACHE": str(tmp_path)}
+    run = lambda: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", _LOAD, _BIG], env=env, capture_output=True, text=True, timeout=300
+    )
+    first = run()
+    assert first.returncode == 0 and first.stdout.strip() == str(2 * 399 + 399 % 7), first.stderr
+    (lib,) = tmp_path.glob("cut-*.so")
+    data = lib.read_bytes()
+    lib.write_bytes(data[: int(len(data) * keep)])
+    again = run()  # unchecked, 90% of it dies of SIGBUS, 50% or 0% fail to load; here: rebuilt
+    assert again.returncode == 0 and again.stdout.strip() == first.stdout.strip(), again
+    from hetero_infer.attention.cpp import cached_library_ok
+
+    assert cached_library_ok(lib)
+
+
 @NEEDS_CXX
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64, 128, 24])  # 24: no constant for it, read at run time

@@ -3,6 +3,7 @@
 file work, and `generate` / `serve` resolve their options."""
 
 import argparse
+import io
 import json
 import os
 import socket
@@ -405,16 +406,12 @@ def test_generate_on_the_demo_model_through_the_console_script():
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[-1])["completions"] == ["c b a"]
-    r = subprocess.run(
-        cmd + ["generate", "x", "--model", "/no/such/dir"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert (
-        r.returncode == 2
-        and r.stderr.strip().splitlines()[-1]
-        == "hetero-infer: error: --model: no such directory: /no/such/dir"
+
+
+def test_a_missing_model_dir_is_one_line(capsys):
+    code, err = run_main(capsys, "generate", "x", "--model", "/no/such/dir")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "hetero-infer: error: --model: no such directory: /no/such/dir"
     )
 
 
@@ -436,77 +433,83 @@ def run_installed(argv, stdin=b"", env=None, timeout=300, cmd=None):
     return r.returncode, out, err
 
 
-def test_prompts_lose_their_line_endings():
+def stdin_bytes(monkeypatch, data: bytes) -> None:
+    "Make stdin hold `data`, as a pipe into the command would."
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+
+def test_prompts_lose_their_line_endings(capsys, monkeypatch):
     "`\\r\\n` (and a lone `\\r`) on stdin or in --input is not part of the prompt."
-    code, out, err = run_installed(
-        ["generate", "--chat", "--max-tokens", "8", "--json"],
-        stdin=b"reverse: a b c\r\n\r\nreverse: d e f\r",
-    )
-    rows = [json.loads(line) for line in out.splitlines()]
-    assert code == 0, err
+    stdin_bytes(monkeypatch, b"reverse: a b c\r\n\r\nreverse: d e f\r")
+    assert main(["generate", "--chat", "--max-tokens", "8", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["prompt"], r["completions"]) for r in rows] == [
         ("reverse: a b c", ["c b a"]),
         ("reverse: d e f", ["f e d"]),
     ]
-    code, out, err = run_installed(
-        ["--input", "reverse: a b c\r\n", "--chat", "--max-tokens", "8", "--json"]
-    )
-    assert code == 0 and json.loads(out.splitlines()[-1])["prompt"] == "reverse: a b c", err
+    argv = ["--input", "reverse: a b c\r\n", "--chat", "--max-tokens", "8", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompt"] == "reverse: a b c"
 
 
-def test_prompt_bytes_that_are_not_utf8_exit_2():
-    "Non-UTF-8 bytes in an argument or on stdin: exit 2 naming where they were."
-    code, _, err = run_installed([b"generate", b"caf\xe9", b"--max-tokens", b"2"])
+def test_prompt_bytes_that_are_not_utf8_exit_2(capsys, monkeypatch):
+    """Non-UTF-8 bytes in an argument or on stdin: exit 2 naming where they were (Python keeps an
+    argument's bad bytes as lone surrogates: `b"caf\\xe9"` arrives as "caf\\udce9")."""
+    argv = [b.decode("utf-8", "surrogateescape") for b in (b"generate", b"caf\xe9")]
+    code, err = run_main(capsys, *argv, "--max-tokens", "2")
     assert code == 2 and error_line(err).startswith("hetero-infer: error: prompts: not UTF-8")
-    code, _, err = run_installed([b"generate", b"--input", b"\xff\xfe"])
+    code, err = run_main(
+        capsys, "generate", "--input", b"\xff\xfe".decode("utf-8", "surrogateescape")
+    )
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --input: not UTF-8")
-    code, _, err = run_installed(["generate", "--max-tokens", "2"], stdin=b"ok\ncaf\xe9\n")
+    stdin_bytes(monkeypatch, b"ok\ncaf\xe9\n")
+    code, err = run_main(capsys, "generate", "--max-tokens", "2")
     assert code == 2 and error_line(err).startswith("hetero-infer: error: stdin: not UTF-8")
 
 
-def test_home_relative_paths(tmp_path):
+def test_home_relative_paths(tmp_path, capsys, monkeypatch):
     '`--model=~/m`, `--tokenizer=\'~/m\'` and a config\'s `"model": "~/m"` all load.'
     os.symlink(DEMO_MODEL_DIR, tmp_path / "m")
-    home = {"HOME": str(tmp_path)}
+    monkeypatch.setenv("HOME", str(tmp_path))
     argv = ["generate", "--chat", "reverse: a b c", "--max-tokens", "8", "--json"]
-    code, out, err = run_installed(argv + ["--model=~/m", "--tokenizer=~/m"], env=home)
-    assert code == 0 and json.loads(out.splitlines()[-1])["completions"] == ["c b a"], err
+    completions = lambda: json.loads(capsys.readouterr().out.splitlines()[-1])["completions"]
+    assert main(argv + ["--model=~/m", "--tokenizer=~/m"]) == 0 and completions() == ["c b a"]
     (tmp_path / "c.json").write_text(json.dumps({"model": "~/m", "tokenizer": "~/m"}))
-    code, out, err = run_installed(argv + ["--config", str(tmp_path / "c.json")], env=home)
-    assert code == 0 and json.loads(out.splitlines()[-1])["completions"] == ["c b a"], err
-    code, _, err = run_installed(argv + ["--tokenizer", "~/nothing"], env=home)
+    assert main(argv + ["--config", str(tmp_path / "c.json")]) == 0
+    assert completions() == ["c b a"]
+    code, err = run_main(capsys, *argv, "--tokenizer", "~/nothing")
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --tokenizer: no such")
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])
-def test_demo_refuses_no_prompts(n):
+def test_demo_refuses_no_prompts(capsys, n):
     "`demo --num-prompts 0` and -1 name the flag."
-    code, _, err = run_installed(["demo", "--num-prompts", n])
+    code, err = run_main(capsys, "demo", "--num-prompts", n)
     assert code == 2 and error_line(err) == (
         f"hetero-infer: error: --num-prompts: must be >= 1, got {n}"
     )
 
 
-def test_config_that_is_not_a_json_object_or_not_utf8(tmp_path):
+def test_config_that_is_not_a_json_object_or_not_utf8(capsys, tmp_path):
     "A JSON string is not a path to follow; bad bytes name --config and the file."
     (tmp_path / "other.json").write_text(json.dumps({"block_size": 8}))
     cfg = tmp_path / "string.json"
     cfg.write_text(json.dumps(str(tmp_path / "other.json")))
-    code, _, err = run_installed(["generate", "x", "--config", str(cfg)])
+    code, err = run_main(capsys, "generate", "x", "--config", str(cfg))
     assert code == 2 and error_line(err).startswith(
         f"hetero-infer: error: --config: {cfg} holds a JSON str, not an object"
     )
     cfg = tmp_path / "latin1.json"
     cfg.write_bytes('{"model": "mod\u00e8le"}'.encode("latin-1"))
-    code, _, err = run_installed(["serve", "--config", str(cfg)])
+    code, err = run_main(capsys, "serve", "--config", str(cfg))
     assert code == 2 and error_line(err).startswith(
         f"hetero-infer: error: --config: {cfg} is not UTF-8 text"
     )
 
 
-def test_host_that_does_not_resolve_names_host():
+def test_host_that_does_not_resolve_names_host(capsys):
     "`serve --host 999.1.1.1` blames --host, not --port."
-    code, _, err = run_installed(["serve", "--host", "999.1.1.1"])
+    code, err = run_main(capsys, "serve", "--host", "999.1.1.1")
     assert code == 2 and error_line(err).startswith(
         "hetero-infer: error: --host: '999.1.1.1' does not resolve"
     )
@@ -514,14 +517,18 @@ def test_host_that_does_not_resolve_names_host():
 
 @pytest.mark.parametrize("module", ["hetero_infer", "hetero_infer.cli.main"])
 def test_python_dash_m_runs_the_command(module):
-    "`python -m hetero_infer[.cli.main] ...` is the command."
+    "`python -m hetero_infer[.cli.main] ...` is the command, bad input and all."
     code, _, err = run_installed(["demo", "--num-prompts", "0"], cmd=[sys.executable, "-m", module])
     assert code == 2 and error_line(err).startswith("hetero-infer: error: --num-prompts")
-    code, out, _ = run_installed(["--help"], cmd=[sys.executable, "-m", module])
-    assert code == 0 and out.startswith("usage: hetero-infer")
 
 
-def test_cors_flags():
+def test_help_names_the_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: hetero-infer")
+
+
+def test_cors_flags(capsys):
     "vLLM's --allowed-origins/methods/headers, JSON lists, reach serve."
     a = build_parser().parse_args(
         ["serve", "--allowed-origins", '["https://a.example"]', "--allowed-headers", "[]"]
@@ -529,7 +536,7 @@ def test_cors_flags():
     o = serve_options(a)
     assert (o["allowed_origins"], o["allowed_headers"]) == (["https://a.example"], [])
     assert "allowed_methods" not in o  # not given: the server's default (all, as vLLM)
-    code, _, err = run_installed(["serve", "--allowed-methods", "POST"])
+    code, err = run_main(capsys, "serve", "--allowed-methods", "POST")
     assert code == 2 and error_line(err).startswith(
         "hetero-infer: error: argument --allowed-methods: expected a JSON list"
     )
@@ -642,3 +649,41 @@ def test_register_command_runs_through_main(capsys, monkeypatch):
     assert code == 2 and error_line(err) == "hetero-infer: error: --fail: asked to"
     with pytest.raises(ValueError, match="own commands"):
         register_command("generate", add_parser, run)
+
+
+def test_a_serve_flag_may_serve_its_own_way(capsys, monkeypatch):
+    """An `apply` of `serve` that sets `serve_with`: `serve` calls it with the engine config and
+    the server's keywords instead of the plain server; a UsageError it raises names its flag."""
+    from hetero_infer.cli.flags import UsageError
+
+    calls = []
+
+    def own(config, **opts):
+        if opts["served_model_name"] == "bad":
+            raise UsageError("--twice", "not for bad")
+        calls.append((config.block_size, opts["served_model_name"], "serve_with" in opts))
+        return 0
+
+    def add(p):
+        p.add_argument("--twice", action="store_true", help="serve twice (default: off)")
+
+    monkeypatch.setitem(CLI_ARGS, "serve", [])
+    register_cli_args("serve", add, lambda args, kw: args.twice and kw.update(serve_with=own))
+    argv = ["serve", "--port", "0", "--block-size", "8", "--model-name", "m", "--twice"]
+    assert main(argv) == 0 and calls == [(8, "m", False)]
+    code, err = run_main(capsys, "serve", "--port", "0", "--model-name", "bad", "--twice")
+    assert code == 2 and error_line(err) == "hetero-infer: error: --twice: not for bad"
+
+
+def test_disaggregation_plugs_in_by_registration():
+    "19's flags and command come from its registrations: engine flags, a serve flag, `proxy`."
+    from hetero_infer.cli.flags import BENCH_FLAGS
+
+    assert {"kv_role", "kv_address", "kv_transfer_timeout"} <= set(ENGINE_FLAGS)
+    assert "kv_role" not in BENCH_FLAGS
+    assert "proxy" in COMMANDS and hpi_argv(["proxy", "--port", "1"]) == ["proxy", "--port", "1"]
+    a = build_parser().parse_args(
+        ["serve", "--kv-role", "kv_consumer", "--data-parallel-size", "3"]
+    )
+    assert (a.kv_role, a.data_parallel_size) == ("kv_consumer", 3)
+    assert engine_config(a).kv_role == "decode"

@@ -540,7 +540,8 @@ BAD = [
         "ValueError",
         "unknown config key(s) bogus; known: attention_backend, block_size, device, dtype, "
         "enable_chunked_prefill, enable_expert_parallel, enable_prefix_caching, "
-        "gpu_memory_utilization, kv_cache_dtype, kv_offloading_size, max_admitted_seqs, "
+        "gpu_memory_utilization, kv_address, kv_cache_dtype, kv_offloading_size, kv_role, "
+        "kv_transfer_timeout, max_admitted_seqs, "
         "max_model_len, max_num_batched_tokens, max_num_seqs, max_retry_attempts, "
         "memory_threshold, model, num_blocks, num_speculative_tokens, preemption_mode, "
         "prompt_lookup_max, prompt_lookup_min, quantization, quantize_lm_head, seed, serving, "

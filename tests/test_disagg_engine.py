@@ -12,8 +12,8 @@ import torch
 from hetero_infer.core.config import EngineConfig
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.core.sequence import Sequence
-from hetero_infer.disagg.cli import proxy_main, serve_main, without_flags
-from hetero_infer.disagg.connector import KVRoleConfig, connector_of
+from hetero_infer.cli.main import main
+from hetero_infer.disagg.connector import connector_of, with_kv_transfer
 from hetero_infer.disagg.router import Router, prefix_hashes, prompt_key
 from hetero_infer.disagg.transfer import (
     KVHeader,
@@ -46,8 +46,9 @@ def ids(n, seed):
 
 
 def run(engine, reqs, params=GREEDY):
+    "Step `engine` over `reqs`; `params`: one for all, or one per request id."
     for rid, p in reqs.items():
-        engine.add_request(rid, p, params)
+        engine.add_request(rid, p, params[rid] if isinstance(params, dict) else params)
     done = {}
     for _ in range(10_000):
         if not engine.has_unfinished_requests():
@@ -59,24 +60,29 @@ def run(engine, reqs, params=GREEDY):
 @pytest.fixture(scope="module")
 def engines(model):
     one = LLMEngine(EngineConfig(**cfg(model)))
-    pre = LLMEngine(KVRoleConfig(**cfg(model), kv_role="kv_producer", kv_address="127.0.0.2"))
-    dec = LLMEngine(KVRoleConfig(**cfg(model), kv_role="decode", kv_address="127.0.0.1"))
+    pre = LLMEngine(EngineConfig(**cfg(model), kv_role="kv_producer", kv_address="127.0.0.2"))
+    dec = LLMEngine(EngineConfig(**cfg(model), kv_role="decode", kv_address="127.0.0.1"))
     yield one, pre, dec
     for e in (one, pre, dec):
         e.close()
 
 
+def sending(rid, to, params=FIRST):
+    "A prefill request's params: its prompt's KV goes to decode connector `to` as transfer `rid`."
+    return with_kv_transfer(params, do_remote_decode=True, transfer_id=rid, remote_address=to)
+
+
+def taking(rid, params=GREEDY):
+    "A decode request's params: its prompt's KV comes as transfer `rid`."
+    return with_kv_transfer(params, do_remote_prefill=True, transfer_id=rid)
+
+
 def disaggregated(pre, dec, reqs, tag):
     "Prefill `reqs` on `pre` (one token), their KV to `dec`, then decode them there."
     P, D = connector_of(pre), connector_of(dec)
-    for rid in reqs:
-        P.expect(
-            rid, {"do_remote_decode": True, "transfer_id": tag + rid, "remote_address": D.address}
-        )
-        D.expect(rid, {"do_remote_prefill": True, "transfer_id": tag + rid})
-    first = run(pre, reqs, FIRST)
+    first = run(pre, reqs, {rid: sending(tag + rid, D.address) for rid in reqs})
     assert P.exporter.sender.flush(30), P.exporter.sender.last_error
-    return first, run(dec, reqs)
+    return first, run(dec, reqs, {rid: taking(tag + rid) for rid in reqs})
 
 
 # ---- payloads and transfer
@@ -179,7 +185,7 @@ def test_a_prompt_already_cached_on_the_decode_side_is_not_written_again(engines
 
 def test_another_block_size_on_the_decode_side(model, engines):
     one, pre, _ = engines
-    dec8 = LLMEngine(KVRoleConfig(**{**cfg(model), "block_size": 8}, kv_role="decode"))
+    dec8 = LLMEngine(EngineConfig(**{**cfg(model), "block_size": 8}, kv_role="decode"))
     try:
         reqs = {"s": ids(100, 11)}
         _, got = disaggregated(pre, dec8, reqs, "d")
@@ -194,8 +200,7 @@ def test_a_transfer_that_never_comes_times_out_and_frees_its_blocks(engines):
     D, p = connector_of(dec), ids(150, 21)
     D.importer.timeout = 0.3
     try:
-        D.expect("lost", {"do_remote_prefill": True, "transfer_id": "never"})
-        dec.add_request("lost", p, GREEDY)
+        dec.add_request("lost", p, taking("never"))
         dec.step()
         assert dec.block_manager.usage() > 0 and dec.stats["kv_transfer"]["waiting"] == 1
         got = run(dec, {})
@@ -209,12 +214,10 @@ def test_a_payload_of_another_prompt_is_refused(engines):
     one, pre, dec = engines
     P, D = connector_of(pre), connector_of(dec)
     a, b = ids(80, 31), ids(80, 32)
-    P.expect("pa", {"do_remote_decode": True, "transfer_id": "swap", "remote_address": D.address})
-    run(pre, {"pa": a}, FIRST)
+    run(pre, {"pa": a}, sending("swap", D.address))
     assert P.exporter.sender.flush(30)
-    D.expect("pb", {"do_remote_prefill": True, "transfer_id": "swap"})  # b's request, a's KV
     before = dec.stats["kv_transfer"]["mismatches"]
-    got = run(dec, {"pb": b})
+    got = run(dec, {"pb": b}, taking("swap"))  # b's request, a's KV
     assert dec.stats["kv_transfer"]["mismatches"] == before + 1
     assert got["pb"].outputs[0].token_ids == run(one, {"pb": b})["pb"].outputs[0].token_ids
     assert got["pb"].num_cached_tokens == 0
@@ -223,8 +226,7 @@ def test_a_payload_of_another_prompt_is_refused(engines):
 def test_aborting_a_held_request_frees_its_blocks(engines):
     _, _, dec = engines
     D = connector_of(dec)
-    D.expect("gone", {"do_remote_prefill": True, "transfer_id": "gone"})
-    dec.add_request("gone", ids(200, 41), GREEDY)
+    dec.add_request("gone", ids(200, 41), taking("gone"))
     dec.step()
     assert dec.block_manager.usage() > 0
     dec.abort_request("gone")
@@ -235,15 +237,14 @@ def test_aborting_a_held_request_frees_its_blocks(engines):
 
 def test_a_request_that_can_never_fit_is_refused_at_once(engines):
     _, _, dec = engines
-    connector_of(dec).expect("big", {"do_remote_prefill": True, "transfer_id": "big"})
     with pytest.raises(ValueError, match="max_num_seqs"):
-        dec.add_request("big", ids(100, 1), SamplingParams(n=300, max_tokens=1))
+        dec.add_request("big", ids(100, 1), taking("big", SamplingParams(n=300, max_tokens=1)))
     assert connector_of(dec).importer.waiting == {}
 
 
 def test_config_checks():
-    assert KVRoleConfig(kv_role="kv_producer").kv_role == "prefill"
-    assert KVRoleConfig().kv_role is None
+    assert EngineConfig(kv_role="kv_producer").kv_role == "prefill"
+    assert EngineConfig().kv_role is None
     for kw, msg in [
         (dict(kv_role="both"), "kv_role must be one of"),
         (dict(kv_role="decode", kv_transfer_timeout=-1), "kv_transfer_timeout"),
@@ -252,7 +253,7 @@ def test_config_checks():
         (dict(kv_role="decode", kv_address="a:b"), "kv_address"),
     ]:
         with pytest.raises(ValueError, match=msg):
-            KVRoleConfig(**kw)
+            EngineConfig(**kw)
 
 
 def test_an_engine_without_a_role_has_no_connector(engines):
@@ -290,14 +291,38 @@ def test_round_robin_and_cache_aware_routing():
         Router(["a"], "random")
 
 
-def test_command_line_checks():
-    assert proxy_main(["--prefill", "http://p"]) == 2
-    assert proxy_main(["--replica", "http://r", "--decode", "http://d"]) == 2
-    assert serve_main(["--port", "0", "--kv-role", "decode", "--data-parallel-size", "2"]) == 2
-    assert serve_main(["--port", "0", "--data-parallel-size", "0"]) == 2
-    argv = ["--model", "m", "--port=1", "--host", "h", "--data-parallel-size", "3", "--x"]
-    assert without_flags(argv, ("--host", "--port", "--data-parallel-size")) == [
-        "--model",
-        "m",
-        "--x",
-    ]
+def test_command_line_checks(capsys):
+    "Bad deployments exit 2 naming the flag, before anything loads."
+    for argv, words in [
+        (["proxy", "--prefill", "http://p"], "--prefill: give --prefill and --decode"),
+        (["proxy", "--replica", "http://r", "--decode", "http://d"], "--prefill: give"),
+        (["proxy", "--replica", "http://r", "--timeout", "0"], "--timeout: must be > 0"),
+        (["serve", "--port", "0", "--kv-role", "decode", "--data-parallel-size", "2"], "decode"),
+        (["serve", "--port", "0", "--data-parallel-size", "0"], "--data-parallel-size: must"),
+        (["serve", "--port", "0", "--kv-role", "decode", "--kv-transfer-timeout", "0"], "> 0"),
+        (["serve", "--port", "0", "--kv-role", "prefill", "--kv-address", "a:b"], "--kv-address"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("hetero-infer: error: ") and words in err, (argv, err)
+
+
+def test_the_request_field_reaches_the_connector():
+    "`kv_transfer_params` in a request body: checked, then in the request's SamplingParams."
+    from hetero_infer.disagg.openai import KVTransferParams
+    from hetero_infer.server.extensions import ExtendedRequest
+    from hetero_infer.server.protocol import APIError, CompletionRequest
+
+    def kwargs(kv):
+        req = CompletionRequest(model="m", prompt=[1], kv_transfer_params=kv)
+        return ExtendedRequest([KVTransferParams()], req, "completions").sampling_kwargs()
+
+    kv = {"do_remote_decode": True, "transfer_id": "t", "remote_address": "10.0.0.2:7000"}
+    assert kwargs(kv) == {"extra_args": {"kv_transfer_params": kv}}
+    for bad, part in [
+        ({"do_remote_prefill": True}, "transfer_id"),
+        ({"transfer_id": "t", "do_remote_decode": True, "remote_address": "10.0.0.2"}, "remote"),
+        ("not an object", "kv_transfer_params"),
+    ]:
+        with pytest.raises(APIError, match=part):
+            kwargs(bad)

@@ -143,6 +143,23 @@ def test_swap_and_recompute_give_the_same_tokens_as_no_preemption(tiny_path):
     assert stats["swap"]["prefill_tokens"] < stats["recompute"]["prefill_tokens"]
 
 
+def test_resuming_forks_that_share_a_partly_filled_block_never_crashes_the_step(tiny_path):
+    """n > 1 forks share their partly filled last block; swapped back in, each write copies it
+    (copy-on-write), so a swap-in must find those blocks too, or scheduling raises
+    NoFreeBlocksError outside the step's retry guard. Outputs equal the run that never preempts."""
+    arrive, plen, max_tokens, n = [2, 2, 3, 4], [11, 11, 5, 7], [20, 7, 5, 10], [2, 2, 3, 3]
+    ps = [list(range(3, 3 + k)) for k in plen]
+    reqs = [
+        (f"r{i}", ps[i], SamplingParams(temperature=1.0, seed=i, max_tokens=m, n=k), a, float(i))
+        for i, (a, m, k) in enumerate(zip(arrive, max_tokens, n))
+    ]
+    ref = run(engine(tiny_path, num_blocks=256), reqs)
+    kw = dict(num_blocks=16, max_num_batched_tokens=16, preemption_mode="swap")
+    eng = engine(tiny_path, swap_space=256 * GIB_PER_BLOCK, **kw)
+    assert run(eng, reqs) == ref
+    assert eng.stats["kv_offload"]["swapped_in"] > 0
+
+
 def test_a_small_swap_space_falls_back_to_recompute(tiny_path):
     ref = run(engine(tiny_path, num_blocks=256), workload())
     eng = engine(tiny_path, preemption_mode="swap", swap_space=3 * GIB_PER_BLOCK, **SMALL)
@@ -281,6 +298,40 @@ def test_swapped_is_a_state_of_its_own():
 def test_bad_values_are_refused_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"preemption_mode": "swap", "swap_space": 125.0}, "swap_space"),
+        ({"kv_offloading_size": 125.0}, "kv_offloading_size"),
+        ({"preemption_mode": "swap", "swap_space": 45.0, "kv_offloading_size": 50.0}, None),
+    ],
+)
+def test_a_host_tier_beyond_the_machines_memory_is_refused_naming_the_field(monkeypatch, kw, field):
+    "On a 100 GiB machine at most 70 GiB; swap_space counts only with preemption_mode='swap'."
+    import hetero_infer.kv_offload.plugin as plugin
+
+    monkeypatch.setattr(plugin, "host_memory_gib", lambda: 100.0)
+    with pytest.raises(ValueError, match=f"^{field or 'kv_offloading_size'}: .* 100.0 GiB"):
+        EngineConfig(**kw)
+    assert EngineConfig(swap_space=125.0).swap_space == 125.0  # recompute: no pool is made
+    assert EngineConfig(preemption_mode="swap", swap_space=70.0).preemption_mode == "swap"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--preemption-mode", "swap", "--swap-space", "1e5"], "--swap-space"),
+        (["--kv-offloading-size", "1e5"], "--kv-offloading-size"),
+    ],
+)
+def test_cli_refuses_a_host_tier_beyond_the_machines_memory(capsys, argv, flag):
+    from hetero_infer.cli.main import main
+
+    assert main(["generate", "x", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"hetero-infer: error: {flag}" in err and "of this machine's" in err, err
 
 
 def test_offloading_needs_prefix_caching(tiny_path):

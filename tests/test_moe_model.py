@@ -134,6 +134,25 @@ def test_a_fused_checkpoint_of_another_shape_is_named(tmp_path):
         LLM(str(tmp_path), **CPU)
 
 
+@pytest.mark.parametrize(
+    "family, config, field",
+    [
+        ("qwen3_moe", {"num_experts_per_tok": True}, "num_experts_per_tok"),
+        ("mixtral", {"num_experts_per_tok": 2.0}, "num_experts_per_tok"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ("qwen2_moe", {"decoder_sparse_step": "2"}, "decoder_sparse_step"),
+        ("qwen3_moe", {"mlp_only_layers": [True, "1"]}, "mlp_only_layers"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size"),
+    ],
+)
+def test_a_moe_config_field_of_the_wrong_type_is_refused_at_load(tmp_path, family, config, field):
+    "Refused when the model is built, naming the field: never a TypeError at the first request."
+    tiny_hf_checkpoint(tmp_path, family)
+    _edit(tmp_path, **config)
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        LLM(str(tmp_path), **CPU)
+
+
 def test_an_expert_count_the_ep_size_does_not_divide_is_refused_before_spawning(tmp_path):
     tiny_hf_checkpoint(tmp_path, "qwen3_moe", num_experts=6)
     with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible .* \(4 = "):

@@ -520,6 +520,30 @@ def test_unloadable_quantization_config_is_refused_by_name(ct_source, tmp_path, 
         LLM(str(tmp_path / "ck"))
 
 
+@pytest.mark.parametrize(
+    "groups,why",
+    [
+        ([{"weights": {"num_bits": 8}}], "config_groups must be an object, got list"),
+        ({"g": ["Linear"]}, "config_groups.g must be an object, got list"),
+        ({"g": {"weights": "int8"}}, "config_groups.g.weights must be an object, got str"),
+        ({"g": {"weights": {}, "input_activations": 8}}, "config_groups.g.input_activations"),
+    ],
+)
+def test_malformed_compressed_tensors_config_names_the_field(tiny, tmp_path, groups, why):
+    "A config_groups of the wrong shape is a ValueError naming it, at load, never AttributeError."
+    import json
+    import shutil
+    from hetero_infer.model.loading import load_model
+
+    shutil.copytree(tiny, tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    cfg["quantization_config"] = {**qc, "config_groups": groups}
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"unsupported quantization_config: {why}"):
+        load_model(tmp_path / "ck")
+
+
 def test_compressed_checkpoint_refused_with_tensor_parallelism(ct_source):
     from hetero_infer.core.config import EngineConfig
     from hetero_infer.model.runner import ModelRunner

@@ -424,6 +424,64 @@ def test_logprobs_both_shapes(client):
     ]
 
 
+def same(a: list, b: list) -> bool:
+    "Two lists of logprobs (None where nothing predicts the token) agree to 1e-4."
+    return len(a) == len(b) and all(x == y or abs(x - y) < 1e-4 for x, y in zip(a, b))
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server, demo_engine):
+    """`echo` with `logprobs` (what lm-evaluation-harness sends to score text): the prompt's text
+    and its tokens' logprobs (the first null) ahead of the generated ones, equal to the engine's
+    prompt logprobs offline; `max_tokens: 0` scores alone; streamed the same; token-id prompts,
+    batched; vLLM's `prompt_logprobs` on completions and chat; echo without logprobs echoes."""
+    from hetero_infer.core.sampling_params import SamplingParams
+
+    ps = demo_prompts(2, seed=8)
+    ids = [demo_engine.tokenizer.encode(p) for p in ps]
+    kw = dict(model="hetero-infer", temperature=0, echo=True, logprobs=2)
+    r = client.completions.create(prompt=ids, max_tokens=3, **kw)
+    for j, (c, p, x) in enumerate(zip(r.choices, ps, ids)):
+        lp, n = c.logprobs, len(x)
+        assert c.text.startswith(p) and len(c.text) > len(p)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) > n
+        assert "".join(lp.tokens[:n]) == p and lp.text_offset[n] == len(p)
+        assert all(
+            v <= 0 and len(t) <= 3 for v, t in zip(lp.token_logprobs[1:], lp.top_logprobs[1:])
+        )
+        demo_engine.add_request(f"offline-{j}", x, SamplingParams(prompt_logprobs=2))
+        done = []
+        while demo_engine.has_unfinished_requests():
+            done += [o for o in demo_engine.step() if o.finished]
+        offline = done[0].prompt_logprobs
+        for i in range(1, n):
+            assert abs(lp.token_logprobs[i] - offline[i][x[i]].logprob) < 1e-4
+    score = client.completions.create(prompt=ids[0], max_tokens=0, **kw)
+    c = score.choices[0]
+    assert c.text == ps[0] and c.finish_reason == "length" and score.usage.completion_tokens == 0
+    assert same(c.logprobs.token_logprobs, r.choices[0].logprobs.token_logprobs[: len(ids[0])])
+    chunks = list(client.completions.create(prompt=ids[0], max_tokens=3, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+    streamed = [v for ch in chunks for v in ch.choices[0].logprobs.token_logprobs]
+    assert same(streamed, r.choices[0].logprobs.token_logprobs)
+    plain = client.completions.create(
+        model="hetero-infer", prompt=ps[0], echo=True, max_tokens=2, temperature=0
+    )
+    assert plain.choices[0].text.startswith(ps[0]) and plain.choices[0].logprobs is None
+    body = {"prompt": ids[0], "max_tokens": 1, "prompt_logprobs": 1}
+    v = post(server, "/v1/completions", body).json()["choices"][0]["prompt_logprobs"]
+    assert v[0] is None and len(v) == len(ids[0])
+    for i in range(1, len(ids[0])):
+        entry = v[i][str(ids[0][i])]
+        assert set(entry) == {"logprob", "rank", "decoded_token"} and 1 <= len(v[i]) <= 2
+        assert abs(entry["logprob"] - r.choices[0].logprobs.token_logprobs[i]) < 1e-4
+    chat = post(
+        server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}
+    ).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
 def test_models_health_ready_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["hetero-infer"]
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
@@ -488,8 +546,23 @@ def test_error_rows(server):
     assert_error(post(server, "/v1/completions", {"prompt": p, "n": 0}), 400, "n")
     assert_error(post(server, "/v1/completions", {"prompt": p, "logprobs": 99}), 400, "logprobs")
     assert_error(post(server, "/v1/completions", {"prompt": [5, 99999]}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"prompt": p, "max_tokens": 0}), 400, "max_tokens")
     assert_error(
-        post(server, "/v1/completions", {"prompt": p, "echo": True, "logprobs": 1}), 400, "echo"
+        post(server, "/v1/completions", {"prompt": p, "max_tokens": -1}), 400, "max_tokens"
+    )
+    for k in (21, -1, "1"):
+        body = {"prompt": p, "echo": True, "logprobs": 1, "prompt_logprobs": k}
+        assert_error(post(server, "/v1/completions", body), 400, "prompt_logprobs")
+    assert_error(
+        post(server, "/v1/completions", {"prompt": p, "prompt_logprobs": 1, "stream": True}),
+        400,
+        "prompt_logprobs",
+        "not available with stream",
+    )
+    assert_error(
+        post(server, "/v1/completions", {"prompt": p, "echo": True, "logprobs": 21}),
+        400,
+        "logprobs",
     )
     assert_error(
         post(
@@ -825,6 +898,7 @@ fields = {
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), junk),
     "logprobs": st.one_of(st.integers(-1, 25), junk),
     "echo": st.one_of(st.booleans(), junk),
+    "prompt_logprobs": st.one_of(st.integers(-1, 21), junk),
     "user": junk,
 }
 prompts = st.one_of(
@@ -1045,7 +1119,8 @@ def test_unimplemented_fields_are_refused_by_name(server, client):
     for path, body, param in (
         ("/v1/completions", {"prompt": P, "suffix": "!"}, "suffix"),
         ("/v1/completions", {"prompt": P, "best_of": 2}, "best_of"),
-        ("/v1/completions", {"prompt": P, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": P, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/completions", {"prompt": P, "guided_json": {"type": "nope"}}, "guided_json"),
         ("/v1/completions", {"prompt": P, "tools": [], "tool_choice": "auto"}, "tools"),
         (

@@ -317,3 +317,31 @@ def test_tool_call_parser_is_a_server_option():
         build_app(None, engine_factory=lambda: None, tool_call_parser="mistral")
     with pytest.raises(TypeError, match="colour"):
         build_app(None, engine_factory=lambda: None, colour="red")
+
+
+def test_logprobs_of_constrained_requests_are_finite(server, client):
+    """A constraint masks tokens to -inf, so top logprobs past the allowed tokens are -inf: the
+    answer is a 200 with finite values (clamped to -9999.0, as vLLM does), and the streamed events
+    carry no `-Infinity` (strict JSON parsers refuse it)."""
+    import math
+
+    import httpx
+
+    choice = {"structured_outputs": {"choice": ["red", "green"]}}
+    r = client.completions.create(prompt="Colour:", logprobs=5, extra_body=choice, **KW)
+    lp = r.choices[0].logprobs
+    tops = [v for t in lp.top_logprobs for v in t.values()]
+    assert r.choices[0].text in ("red", "green") and min(tops) == -9999.0
+    assert all(math.isfinite(v) for v in lp.token_logprobs + tops)
+    c = client.chat.completions.create(
+        messages=MSGS, logprobs=True, top_logprobs=5, extra_body=choice, **KW
+    )
+    vals = [t.logprob for e in c.choices[0].logprobs.content for t in [e, *e.top_logprobs]]
+    assert min(vals) == -9999.0 and all(math.isfinite(v) for v in vals)
+    for path, body in (
+        ("/v1/completions", {"prompt": "Colour:", "logprobs": 5}),
+        ("/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 5}),
+    ):
+        body = {**body, **choice, **KW, "stream": True}
+        text = httpx.post(server + path, json=body, timeout=60).text
+        assert "Infinity" not in text and "NaN" not in text and "-9999.0" in text, text

@@ -25,6 +25,7 @@ __all__ = [
     "CPP_LINK_FLAGS",
     "CPP_DTYPES",
     "kernel_cache_dir",
+    "cached_library_ok",
     "build_shared_library",
     "cpp_decode_op",
     "cpp_paged_decode_attention",
@@ -144,14 +145,29 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("HETERO_INFER_CACHE") or Path.home() / ".cache" / "hetero_infer")
 
 
+def _digest(path: Path) -> str:
+    "The sha256 of a file's bytes."
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cached_library_ok(lib: Path) -> bool:
+    """Whether cached library `lib` is whole: its bytes match the digest recorded beside it when it
+    was built (a file cut short by a crash or a full disk would crash the process once mapped)."""
+    sums = lib.with_suffix(".sha256")
+    return lib.exists() and sums.exists() and sums.read_text().strip() == _digest(lib)
+
+
 def build_shared_library(name: str, source: str, flags: list[str], link_flags: list[str]) -> Path:
-    "Compile C++ `source` into a shared library once per source, flags, compiler and torch."
+    """Compile C++ `source` into a shared library once per source, flags, compiler and torch; a
+    cached one that fails its digest check is built again."""
     torch_dir = Path(torch.__file__).parent
     cxx = os.environ.get("CXX", "g++")
     key = "\n".join([source, *flags, *link_flags, cxx, torch.__version__, str(torch_dir)])
     lib = kernel_cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if lib.exists():
+    if cached_library_ok(lib):
         return lib
+    if lib.exists():
+        _log.warning(f"{lib} has no recorded digest or differs from it: building it again")
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         src, obj, out = Path(tmp, f"{name}.cpp"), Path(tmp, f"{name}.o"), Path(tmp, lib.name)
@@ -166,7 +182,10 @@ def build_shared_library(name: str, source: str, flags: list[str], link_flags: l
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-400:]}")
-        os.replace(out, lib)  # atomic: another process building the same file sees all or none
+        sums = Path(tmp, "sha256")
+        sums.write_text(_digest(out))
+        os.replace(sums, lib.with_suffix(".sha256"))  # the digest first: a library without one,
+        os.replace(out, lib)  # or whose bytes differ from it, is never loaded (atomic renames)
     return lib
 
 

@@ -147,13 +147,20 @@ CLI_ARGS: dict[str, list] = {"generate": [], "serve": []}  # command -> [(add_ar
 
 def register_cli_args(command: str, add_arguments, apply) -> None:
     """A later chapter's own flags of `generate` or `serve`: `add_arguments(parser)` adds them,
-    `apply(args, kwargs)` puts their values into generate's `SamplingParams` keywords or serve's."""
+    `apply(args, kwargs)` puts their values into generate's `SamplingParams` keywords or serve's
+    (where `serve_with`, a function `run(config, **kwargs)`, serves in place of the server). A
+    pair of the same names (a notebook's copy of a module's) takes the place of the one before."""
     if command not in CLI_ARGS:
         raise ValueError(
             f"register_cli_args: command must be one of {list(CLI_ARGS)}, got {command!r}"
         )
-    if (add_arguments, apply) not in CLI_ARGS[command]:
-        CLI_ARGS[command].append((add_arguments, apply))
+    names = lambda pair: tuple(f.__qualname__ for f in pair)
+    entries = CLI_ARGS[command]
+    same = [i for i, pair in enumerate(entries) if names(pair) == names((add_arguments, apply))]
+    if same:
+        entries[same[0]] = (add_arguments, apply)
+    else:
+        entries.append((add_arguments, apply))
 
 
 def apply_cli_args(command: str, args, kwargs: dict) -> dict:

@@ -129,11 +129,14 @@ def cmd_serve(args) -> int:
     check_port(opts["host"], opts["port"])
     from hetero_infer.server.serve import serve
 
+    run = opts.pop("serve_with", serve)  # a later chapter's flag may serve another way
     model = cfg.model or "the shipped demo model"
     name = opts["served_model_name"]
     print(f"hetero-infer: loading {model}, to serve it as {name!r}", file=sys.stderr, flush=True)
     try:
-        return serve(cfg, **opts)
+        return run(cfg, **opts)
+    except UsageError:
+        raise
     except ValueError as e:
         raise usage_error(e, args, "--model") from None  # the model or config could not be loaded
 

@@ -71,13 +71,13 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class Process:
-    "`python -m hetero_infer.disagg.cli COMMAND --port P FLAGS` in a subprocess; its log kept."
+    "`hetero-infer COMMAND --port P FLAGS` (`python -m hetero_infer`) in a subprocess; its log."
 
     def __init__(self, command: str, *flags: str, threads: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a file: a chatty process never blocks on it
-        cmd = [sys.executable, "-m", "hetero_infer.disagg.cli", command, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "hetero_infer", command, "--port", str(self.port)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         quiet = ["--log-level", "warning"]
         self.proc = subprocess.Popen(
@@ -273,21 +273,23 @@ def ttft_parts(
     first decode), in this process on one thread, over loopback; medians in ms."""
     from hetero_infer.core.config import EngineConfig
     from hetero_infer.core.sampling_params import SamplingParams
-    from hetero_infer.disagg.connector import KVRoleConfig, connector_of
+    from hetero_infer.disagg.connector import connector_of, with_kv_transfer
     from hetero_infer.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
     cfg = dict(
         model=model, device="cpu", dtype="float32", num_blocks=1024, max_num_batched_tokens=4096
     )
-    one, pre = LLMEngine(EngineConfig(**cfg)), LLMEngine(KVRoleConfig(**cfg, kv_role="prefill"))
-    dec = LLMEngine(KVRoleConfig(**cfg, kv_role="decode", kv_address="127.0.0.1:0"))
+    one, pre = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, kv_role="prefill"))
+    dec = LLMEngine(EngineConfig(**cfg, kv_role="decode", kv_address="127.0.0.1:0"))
     P, D = connector_of(pre), connector_of(dec)
     tx, first = P.exporter.sender, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
-    def timed(engine, rid, ids) -> float:
+    def timed(engine, rid, ids, **kv) -> float:
         t0 = time.perf_counter()
-        engine.add_request(rid, ids, first)
+        engine.add_request(
+            rid, ids, with_kv_transfer(first, transfer_id=rid, **kv) if kv else first
+        )
         while engine.has_unfinished_requests():
             engine.step()
         return time.perf_counter() - t0
@@ -297,13 +299,11 @@ def ttft_parts(
         parts = []
         for r in range(reps + 1):  # the first round warms up
             ids, rid = random_ids(n, vocab, 7000 + 10 * n + r), f"n{n}r{r}"
-            P.expect(
-                rid, {"do_remote_decode": True, "transfer_id": rid, "remote_address": D.address}
-            )
-            D.expect(rid, {"do_remote_prefill": True, "transfer_id": rid})
-            single, prefill, sent = timed(one, rid, ids), timed(pre, rid, ids), tx.stats["seconds"]
+            single, sent = timed(one, rid, ids), tx.stats["seconds"]
+            prefill = timed(pre, rid, ids, do_remote_decode=True, remote_address=D.address)
             tx.flush()
-            parts.append((single, prefill, tx.stats["seconds"] - sent, timed(dec, rid, ids)))
+            decode = timed(dec, rid, ids, do_remote_prefill=True)
+            parts.append((single, prefill, tx.stats["seconds"] - sent, decode))
         med = [round(1000 * statistics.median(p[i] for p in parts[1:]), 1) for i in range(4)]
         names = ("single_ms", "prefill_ms", "transfer_ms", "first_decode_ms")
         rows.append(dict(tokens=n, **dict(zip(names, med))))

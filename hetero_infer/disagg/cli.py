@@ -4,34 +4,31 @@
 """`hetero-infer proxy`, and `serve`'s flags for a KV role and for data-parallel replicas."""
 
 from __future__ import annotations
-import argparse
+import functools
+import multiprocessing
 import os
 import signal
 import socket
-import subprocess
 import sys
-from dataclasses import fields
 
-from ..cli.flags import UsageError, build_parser, register_engine_flags
-from .connector import KV_ROLES, KVRoleConfig
-from .proxy import Backends, build_proxy_app
+from ..cli.config import check_port
+from ..cli.flags import UsageError, register_cli_args, register_command
+from ..cli.flags import register_engine_flags
+from .connector import KV_ROLES
 
 # %% auto #0
 __all__ = [
     "KV_FLAGS",
     "PROXY_HELP",
-    "add_proxy_arguments",
-    "run_proxy",
     "add_proxy_parser",
+    "run_proxy",
     "cmd_proxy",
-    "proxy_main",
     "free_port",
-    "without_flags",
     "die_with_parent",
+    "serve_replica",
     "serve_data_parallel",
-    "add_serve_arguments",
-    "serve_main",
-    "main",
+    "add_data_parallel_flag",
+    "apply_data_parallel_flag",
 ]
 
 # %% ../../nbs/19_disaggregation.ipynb #61c25fa4
@@ -48,13 +45,15 @@ KV_FLAGS = {  # EngineConfig field -> (flags, type, choices, help), as chapter 1
 }
 # fmt: on
 register_engine_flags(KV_FLAGS)
+PROXY_HELP = "one OpenAI endpoint over prefill and decode instances, or over replicas"
 
 
-def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
-    "The flags of `hetero-infer proxy`."
+def add_proxy_parser(sub) -> None:
+    "`proxy`'s parser among `hetero-infer`'s sub-commands `sub` (argparse subparsers)."
+    p = sub.add_parser("proxy", help=PROXY_HELP, description=f"Serve {PROXY_HELP}.")
     for role, what in [
-        ("prefill", "a prefill instance (--kv-role prefill)"),
-        ("decode", "a decode instance (--kv-role decode)"),
+        ("prefill", "a prefill instance (serve --kv-role prefill)"),
+        ("decode", "a decode instance (serve --kv-role decode)"),
         ("replica", "a plain instance; replicas are routed cache-aware"),
     ]:
         p.add_argument(
@@ -71,7 +70,12 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds an instance may take (default: 600)"
     )
-    p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn log level (default: warning)",
+    )
 
 
 def run_proxy(
@@ -87,6 +91,8 @@ def run_proxy(
     "Serve the proxy until SIGTERM/SIGINT; 0."
     import uvicorn
 
+    from hetero_infer.disagg.proxy import Backends, build_proxy_app
+
     app = build_proxy_app(Backends(list(prefill), list(decode), list(replicas), policy, timeout))
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
@@ -97,34 +103,20 @@ def run_proxy(
     return 0
 
 
-PROXY_HELP = "one OpenAI endpoint over prefill and decode instances, or over replicas"
-
-
-def add_proxy_parser(sub) -> argparse.ArgumentParser:
-    "`proxy`'s parser among `hetero-infer`'s sub-commands `sub` (argparse subparsers)."
-    p = sub.add_parser("proxy", help=PROXY_HELP, description=f"Serve {PROXY_HELP}.")
-    add_proxy_arguments(p)
-    return p
-
-
 def cmd_proxy(args) -> int:
-    "Run `hetero-infer proxy` from its parsed flags; 2 when they make no deployment."
-    try:
-        Backends(args.prefill, args.decode, args.replica)
-    except ValueError as e:
-        print(f"hetero-infer: error: {e}", file=sys.stderr)
-        return 2
+    "`hetero-infer proxy`: its instances and address checked, then served."
+    if bool(args.prefill) != bool(args.decode) or bool(args.replica) == bool(args.prefill):
+        raise UsageError("--prefill", "give --prefill and --decode instances, or --replica ones")
+    if args.timeout <= 0:
+        raise UsageError("--timeout", f"must be > 0 seconds, got {args.timeout}")
+    check_port(args.host, args.port)
     a = args
     return run_proxy(
         a.prefill, a.decode, a.replica, a.host, a.port, a.policy, a.timeout, a.log_level
     )
 
 
-def proxy_main(argv: list[str] | None = None) -> int:
-    "`hetero-infer proxy FLAGS`, from its flags alone."
-    ap = argparse.ArgumentParser(prog="hetero-infer")
-    add_proxy_parser(ap.add_subparsers(dest="command", required=True))
-    return cmd_proxy(ap.parse_args(["proxy", *(sys.argv[1:] if argv is None else argv)]))
+register_command("proxy", add_proxy_parser, cmd_proxy)
 
 
 # %% ../../nbs/19_disaggregation.ipynb #f71c4de0
@@ -135,19 +127,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def without_flags(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    "`argv` without the flags `names` and their values (`--x V` and `--x=V`)."
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in names:
-            skip = True
-        elif not a.startswith(tuple(n + "=" for n in names)):
-            out.append(a)
-    return out
-
-
 def die_with_parent() -> None:
     "In a child process (Linux): receive SIGTERM when the parent dies, even by SIGKILL."
     if sys.platform == "linux":
@@ -156,84 +135,63 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def serve_data_parallel(argv: list[str], size: int, host: str, port: int) -> int:
-    "`size` replicas of `hetero-infer serve argv` on free local ports, the proxy on host:port."
+def serve_replica(config, port: int, threads: int, opts: dict) -> None:
+    "One replica's process: it dies with its parent and serves on `port` with `threads` threads."
+    die_with_parent()
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine keeps the count set here
+    import torch
+
+    from hetero_infer.server.serve import serve
+
+    torch.set_num_threads(threads)
+    sys.exit(serve(config, host="127.0.0.1", port=port, **opts))
+
+
+def serve_data_parallel(config, size: int, host: str, port: int, **opts) -> int:
+    "`size` replicas of `serve(config, **opts)`, each in its own process, the proxy on host:port."
+    if config.kv_role:
+        raise UsageError("--data-parallel-size", f"must be 1 for a {config.kv_role} instance")
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)) // size)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     ports = [free_port() for _ in range(size)]
-    cmd = [sys.executable, "-m", "hetero_infer", "serve", *argv, "--host", "127.0.0.1", "--port"]
-    procs = [subprocess.Popen([*cmd, str(p)], env=env, preexec_fn=die_with_parent) for p in ports]
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads forked
+    procs = [spawn.Process(target=serve_replica, args=(config, p, threads, opts)) for p in ports]
+    for pr in procs:
+        pr.start()
     # uvicorn raises SIGTERM again once it has shut down: end through `finally` then
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
-        return run_proxy(replicas=[f"http://127.0.0.1:{p}" for p in ports], host=host, port=port)
+        return run_proxy(replicas=urls, host=host, port=port, log_level=opts.get("log_level"))
     finally:
         for pr in procs:
-            pr.terminate()
+            pr.terminate()  # each drains its running requests, then exits
         for pr in procs:
-            try:
-                pr.wait(30)
-            except subprocess.TimeoutExpired:
+            pr.join(opts.get("shutdown_timeout", 30) + 10)
+            if pr.is_alive():
                 pr.kill()
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    "`serve`'s flag for data-parallel replicas."
+def add_data_parallel_flag(p) -> None:
+    "`serve --data-parallel-size`."
     p.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
         metavar="N",
-        help="start N replicas of this server on local ports and the proxy in front (default: 1)",
+        help="start N replicas of this server on local ports, the threads split between them, "
+        "and the proxy in front (default: 1)",
     )
 
 
-def serve_main(argv: list[str]) -> int:
-    "`hetero-infer serve` with this chapter's flags: a KV role, or data-parallel replicas."
-    from hetero_infer.cli.config import check_port, engine_config, serve_options
-
-    args, rest = build_parser().parse_known_args(["serve", *argv])
-    mine = argparse.ArgumentParser(prog="hetero-infer serve")
-    add_serve_arguments(mine)
-    for name, (flags, typ, choices, help) in KV_FLAGS.items():
-        mine.add_argument(*flags, dest=name, type=typ, choices=choices, default=None, help=help)
-    extra = mine.parse_args(rest)
-    try:
-        opts = serve_options(args)
-        kv = {k: getattr(extra, k) for k in KV_FLAGS if getattr(extra, k) is not None}
-        cfg = engine_config(args)  # (the KV flags join it below, or are its own fields)
-        config = KVRoleConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, **kv)
-        dp = extra.data_parallel_size
-        if dp < 1 or (dp > 1 and config.kv_role):
-            raise UsageError("--data-parallel-size", "must be >= 1, and 1 with --kv-role")
-        check_port(opts["host"], opts["port"])
-        if dp > 1:
-            flags = ("--host", "--port", "--data-parallel-size")
-            return serve_data_parallel(without_flags(argv, flags), dp, opts["host"], opts["port"])
-        if config.kv_role is None:
-            from hetero_infer.server.serve import serve
-
-            return serve(cfg, **opts)
-        from hetero_infer.disagg.serve import serve_with_role
-
-        return serve_with_role(config, **opts)
-    except ValueError as e:
-        print(f"hetero-infer: error: {e}", file=sys.stderr)
-        return 2
+def apply_data_parallel_flag(args, serve_kwargs: dict) -> None:
+    "Nothing for one replica; for more, `serve_with`: how `serve` serves them instead."
+    n = args.data_parallel_size
+    if n < 1:
+        raise UsageError("--data-parallel-size", f"must be >= 1, got {n}")
+    if n > 1 and args.kv_role:  # (a role from --config is refused when serving starts)
+        raise UsageError("--data-parallel-size", f"must be 1 for a {args.kv_role} instance")
+    if n > 1:
+        serve_kwargs["serve_with"] = functools.partial(serve_data_parallel, size=n)
 
 
-# %% ../../nbs/19_disaggregation.ipynb #9dc95273
-def main(argv: list[str] | None = None) -> int:
-    "`python -m hetero_infer.disagg.cli serve|proxy ...`: the same as `hetero-infer serve|proxy`."
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["proxy"]:
-        return proxy_main(argv[1:])
-    if argv[:1] == ["serve"]:
-        return serve_main(argv[1:])
-    print("usage: python -m hetero_infer.disagg.cli {serve,proxy} [flags]", file=sys.stderr)
-    return 2
-
-
-# a notebook's namespace is "__main__" too, but has no __file__
-if __name__ == "__main__" and "__file__" in globals():
-    sys.exit(main())
+register_cli_args("serve", add_data_parallel_flag, apply_data_parallel_flag)

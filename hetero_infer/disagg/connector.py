@@ -4,11 +4,16 @@
 """The engine side of disaggregation: prefill instances export prompts' KV, decode ones load it."""
 
 from __future__ import annotations
+import dataclasses
 import time
+import uuid
+import weakref
 from collections import Counter
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..core.config import EngineConfig
+from ..core.config import register_config_check
+from ..core.sampling_params import SamplingParams
 from ..core.sequence import QueueFullError, Sequence
 from hetero_infer.disagg.transfer import (
     KVHeader,
@@ -20,12 +25,15 @@ from hetero_infer.disagg.transfer import (
     token_hash,
 )
 from ..engine.plugins import EnginePlugin, register_plugin
+from ..server.metrics import PREFIX, register_metrics
 
 # %% auto #0
 __all__ = [
     "KV_ROLES",
+    "KV_COUNTERS",
     "check_kv_config",
-    "KVRoleConfig",
+    "with_kv_transfer",
+    "kv_transfer_params",
     "full_blocks",
     "KVExporter",
     "payload_fits",
@@ -34,6 +42,7 @@ __all__ = [
     "KVImporter",
     "KVConnector",
     "connector_of",
+    "kv_transfer_metrics",
 ]
 
 # %% ../../nbs/19_disaggregation.ipynb #305a5d27
@@ -45,6 +54,7 @@ KV_ROLES = {  # ours, and vLLM's names for the same roles
 }
 
 
+@register_config_check
 def check_kv_config(config) -> None:
     "The KV fields of an engine config, checked; vLLM's role names become ours (in place)."
     if config.kv_role is None:
@@ -71,21 +81,16 @@ def check_kv_config(config) -> None:
         )
 
 
-@dataclass
-class KVRoleConfig(EngineConfig):
-    "An `EngineConfig` with the settings of an instance's KV role."
-
-    kv_role: str | None = None  # "prefill" or "decode" (vLLM's kv_producer, kv_consumer); None: off
-    # HOST[:PORT]: where a decode instance receives KV (no port: a free one); on a prefill instance
-    # HOST is the address it sends from (None: the route's)
-    kv_address: str | None = None
-    kv_transfer_timeout: float = (
-        30.0  # seconds a decode instance waits for KV, then prefills itself
+def with_kv_transfer(params: SamplingParams, **kv) -> SamplingParams:
+    "`params` carrying a request's `kv_transfer_params` `kv` (the server puts them there)."
+    return dataclasses.replace(
+        params, extra_args={**(params.extra_args or {}), "kv_transfer_params": kv}
     )
 
-    def __post_init__(self):
-        super().__post_init__()
-        check_kv_config(self)
+
+def kv_transfer_params(seq: Sequence) -> dict | None:
+    "The `kv_transfer_params` of `seq`'s request, if it has any."
+    return (seq.params.extra_args or {}).get("kv_transfer_params")
 
 
 # %% ../../nbs/19_disaggregation.ipynb #a409cc8d
@@ -272,28 +277,26 @@ class KVConnector(EnginePlugin):
     decode instance imports it into its own cache before scheduling their requests."""
 
     name = "kv_transfer"
+    # the connectors of this process by id (their stats name it), for counters read as of now
+    running: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
 
     @classmethod
     def create(cls, config) -> KVConnector | None:
-        return cls(config) if isinstance(config, KVRoleConfig) and config.kv_role else None
+        return cls(config) if config.kv_role else None
 
-    def __init__(self, config: KVRoleConfig):
-        self.role = config.kv_role
+    def __init__(self, config):
+        self.role, self.id = config.kv_role, uuid.uuid4().hex[:12]
         host, port = split_address(config.kv_address or "127.0.0.1")
-        self.params: dict[str, dict] = {}  # request id -> kv_transfer_params, until it is added
         if self.role == "decode":
             self.importer = KVImporter(host, port, config.kv_transfer_timeout)
             self.address = self.importer.receiver.address
         else:
             self.exporter = KVExporter(config.kv_address and host, config.kv_transfer_timeout)
             self.address = host if config.kv_address else "auto"
-
-    def expect(self, request_id: str, kv_transfer_params: dict) -> None:
-        "The `kv_transfer_params` of a request about to be added (the server calls this)."
-        self.params[request_id] = kv_transfer_params
+        KVConnector.running[self.id] = self
 
     def add_sequence(self, engine, seq: Sequence) -> bool:
-        kv = self.params.pop(seq.request_id, None)
+        kv = kv_transfer_params(seq)
         if kv is None:
             return False
         if self.role == "prefill":
@@ -319,12 +322,12 @@ class KVConnector(EnginePlugin):
         else:
             self.importer.forget(engine, seq)
 
-    def stats(self, engine) -> dict:
-        out = {"role": self.role, "address": self.address}
+    def counters(self) -> dict:
+        "The role's counters as of now (transfers end on the sender's and receiver's threads)."
         if self.role == "prefill":
-            return out | self.exporter.stats()
+            return self.exporter.stats()
         imp, r = self.importer, self.importer.receiver.stats
-        out |= {
+        out = {
             "received_transfers": r["transfers"],
             "received_tokens": r["tokens"],
             "received_bytes": r["bytes"],
@@ -335,7 +338,11 @@ class KVConnector(EnginePlugin):
         keys = ("imported_tokens", "local_prefills", "timeouts", "failed", "mismatches")
         return out | {k: imp.counts[k] for k in keys}
 
+    def stats(self, engine) -> dict:
+        return {"role": self.role, "address": self.address, "connector": self.id} | self.counters()
+
     def close(self, engine) -> None:
+        KVConnector.running.pop(self.id, None)
         if self.role == "prefill":
             self.exporter.sender.close()
         else:
@@ -344,4 +351,43 @@ class KVConnector(EnginePlugin):
 
 def connector_of(engine) -> KVConnector | None:
     "An engine's `KVConnector`, or None when it has no KV role."
-    return next((p for p in engine.plugins if isinstance(p, KVConnector)), None)
+    return next((p for p in engine.plugins if p.name == KVConnector.name), None)
+
+
+# %% ../../nbs/19_disaggregation.ipynb #58f76888
+KV_COUNTERS = {  # stats key -> help; exposed as hetero_infer:kv_transfer_<key>_total
+    "sent_tokens": "Prompt tokens whose KV this prefill instance sent",
+    "sent_bytes": "Bytes of KV sent",
+    "send_seconds": "Seconds spent sending KV (header to acknowledgement)",
+    "send_failures": "Transfers that failed twice (the decode instance prefills itself)",
+    "received_tokens": "Prompt tokens whose KV this decode instance received",
+    "received_bytes": "Bytes of KV received",
+    "receive_seconds": "Seconds spent receiving payloads",
+    "receive_failures": "Transfers broken mid-payload (the sender died or stalled)",
+    "imported_tokens": "Received tokens written into the cache (not already cached here)",
+    "local_prefills": "Requests held for KV that prefilled here instead",
+    "timeouts": "Requests whose KV did not come within kv_transfer_timeout",
+}
+
+
+def kv_transfer_metrics(stats: dict, gauge, counter):
+    "The KV role's metric families (none without a role), its counters read as of now."
+    from prometheus_client.core import GaugeMetricFamily
+
+    kv = stats.get("kv_transfer")
+    if not kv:
+        return
+    live = KVConnector.running.get(kv["connector"])
+    kv = kv | (live.counters() if live is not None else {})  # newer than the last step's
+    doc = "This instance's KV role and the address where it receives KV"
+    info = GaugeMetricFamily(PREFIX + "kv_transfer_info", doc, labels=["role", "address"])
+    info.add_metric([kv["role"], kv["address"]], 1.0)
+    yield info
+    for key, doc in KV_COUNTERS.items():
+        if key in kv:
+            yield counter(f"kv_transfer_{key}", doc, kv[key])
+    if "waiting" in kv:
+        yield gauge("kv_transfer_waiting", "Requests held for their KV", kv["waiting"])
+
+
+register_metrics(kv_transfer_metrics)

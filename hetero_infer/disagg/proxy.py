@@ -14,7 +14,6 @@ import httpx
 from fastapi import Request  # FastAPI reads the routes' annotations from this module's globals
 
 from .router import Router, prefix_hashes, prompt_key
-from .serve import KV_PARAMS_HEADER
 from ..server.metrics import PREFIX
 
 # %% auto #0
@@ -185,11 +184,9 @@ async def forward(b: Backends, router: Router, role: str, hashes, path, body, he
 
     tried, url = set(), kv[0] if kv else None
     while (url := url or router.choose(hashes, exclude=tried)) is not None:
-        hdr = dict(headers)
-        if kv and url == kv[0]:
-            hdr[KV_PARAMS_HEADER] = json.dumps(kv[1])
+        sent = body | {"kv_transfer_params": kv[1]} if kv and url == kv[0] else body
         try:
-            return await b.send(url, role, router, path, body, hdr)
+            return await b.send(url, role, router, path, sent, headers)
         except BackendDown:
             tried.add(url)
             url = None
@@ -206,9 +203,9 @@ async def prefill_remote(b: Backends, d_url: str, hashes, path, body, headers):
     while address and (url := b.prefill.choose(hashes, exclude=tried)) is not None:
         tid = uuid.uuid4().hex
         kv = {"do_remote_decode": True, "transfer_id": tid, "remote_address": address}
-        hdr = {**headers, KV_PARAMS_HEADER: json.dumps(kv)}
+        sent = prefill_body(body) | {"kv_transfer_params": kv}
         try:
-            r = await b.send(url, "prefill", b.prefill, path, prefill_body(body), hdr)
+            r = await b.send(url, "prefill", b.prefill, path, sent, headers)
         except BackendDown:
             r = None
         if r is not None and r.status_code == 200:
@@ -222,6 +219,7 @@ async def prefill_remote(b: Backends, d_url: str, hashes, path, body, headers):
 
 async def handle(b: Backends, path: str, body: dict, headers: dict):
     "Answer one completion or chat request through the instances."
+    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # the proxy's to set
     hashes = prefix_hashes(prompt_key(body))
     if not b.pd:
         return await forward(b, b.decode, "replica", hashes, path, body, headers)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import dataclasses
 import math
+import os
 from ..cli.flags import register_engine_flags
 from ..core.config import EngineConfig, register_config_check
 from ..engine.plugins import EnginePlugin, register_plugin
@@ -18,6 +19,8 @@ from .tier import build_kv_tier
 # %% auto #0
 __all__ = [
     "PREEMPTION_MODES",
+    "HOST_MEMORY_SHARE",
+    "host_memory_gib",
     "tier_asked",
     "check_kv_offload",
     "kv_offload_metrics",
@@ -26,6 +29,15 @@ __all__ = [
 
 # %% ../../nbs/17_kv_offload.ipynb #c36f2510
 PREEMPTION_MODES = ("recompute", "swap")  # what preemption does with a request's KV
+HOST_MEMORY_SHARE = 0.7  # the most of the machine's memory the host tier may take (vLLM's bound)
+
+
+def host_memory_gib() -> float | None:
+    "This machine's physical memory in GiB; None where the system does not say."
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def tier_asked(config: EngineConfig) -> bool:
@@ -53,6 +65,14 @@ def check_kv_offload(config: EngineConfig):
         )
     if config.kv_offloading_size and not config.enable_prefix_caching:
         raise ValueError("kv_offloading_size: the host prefix tier needs enable_prefix_caching")
+    swap = config.swap_space if config.preemption_mode == "swap" else 0.0
+    asked, total = swap + config.kv_offloading_size, host_memory_gib()
+    if total and asked > HOST_MEMORY_SHARE * total:
+        name = "swap_space" if swap >= config.kv_offloading_size else "kv_offloading_size"
+        raise ValueError(
+            f"{name}: the host KV tier would take {asked:g} GiB (swap_space + kv_offloading_size"
+            f"), more than {HOST_MEMORY_SHARE:.0%} of this machine's {total:.1f} GiB of memory"
+        )
 
 
 # %% ../../nbs/17_kv_offload.ipynb #f0add886

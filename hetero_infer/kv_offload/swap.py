@@ -4,6 +4,7 @@
 """Swap preemption: a preempted request's computed KV blocks move to a host pool and back."""
 
 from __future__ import annotations
+from collections import Counter
 from ..core.sequence import Sequence
 from .block_manager import TieredBlockManager
 from .host_pool import HostBlockPool
@@ -53,9 +54,13 @@ class SwapSpace:
         return list(to_host.items())
 
     def blocks_needed(self, group: list[Sequence]) -> int:
-        "Device blocks `swap_in(group)` takes."
+        """Device blocks `swap_in(group)` takes, and the copies its first step makes: a partly
+        filled block shared by `r` of the group is copied `r - 1` times when they write to it."""
         tables = [self.tables[s.seq_id] for s in group]
-        return self.block_manager.restore_needed(group, tables)
+        bs = self.block_manager.block_size
+        tails = Counter(t[-1] for s, t in zip(group, tables) if s.num_computed_tokens % bs)
+        copies = sum(r - 1 for r in tails.values())
+        return self.block_manager.restore_needed(group, tables) + copies
 
     def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Device blocks for `group` again (shared where they were): the (host, device) copies to

@@ -35,12 +35,33 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")  # HF model_type of the MoE
 MOE_METHODS = ("auto", "loop", "grouped", "grouped_mm", "triton")  # how MoEBlock runs experts
 
 
-def _field(d: dict, *names: str):
-    "The first of `names` that config dict `d` has (transformers renames some fields on save)."
-    for n in names:
-        if n in d:
-            return d[n]
-    raise ValueError(f"config.json lacks {names[0]!r}, which a {d.get('model_type')} model needs")
+def _is_int(v) -> bool:
+    "An integer, and not a bool (`True` is an `int` to Python, not to a config)."
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _field(d: dict, *names: str, least: int = 1, default=None):
+    """The first of `names` that config dict `d` has (transformers renames some fields on save),
+    an integer >= `least`; ValueError naming it otherwise."""
+    name = next((n for n in names if n in d), None)
+    if name is None and default is None:
+        raise ValueError(
+            f"config.json lacks {names[0]!r}, which a {d.get('model_type')} model needs"
+        )
+    v = default if name is None else d[name]
+    if not (_is_int(v) and v >= least):
+        raise ValueError(f"{name} must be an integer >= {least} in config.json, got {v!r}")
+    return v
+
+
+def _layer_rules(d: dict) -> None:
+    "Qwen's sparse-layer fields, checked: `decoder_sparse_step` >= 1, `mlp_only_layers` integers."
+    _field(d, "decoder_sparse_step", default=1)
+    dense = d.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(_is_int(i) for i in dense)):
+        raise ValueError(f"mlp_only_layers must be a list of layer numbers, got {dense!r}")
+    if not isinstance(d.get("norm_topk_prob", False), bool):
+        raise ValueError(f"norm_topk_prob must be true or false, got {d['norm_topk_prob']!r}")
 
 
 @dataclass
@@ -60,14 +81,17 @@ class MoEConfig:
             raise ValueError(f"family must be one of {MOE_FAMILIES}, got {self.family!r}")
         for f in ("num_experts", "hidden_size", "intermediate_size"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+        if not _is_int(self.top_k) or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
                 f"top_k (num_experts_per_tok) must be in [1, num_experts={self.num_experts}], "
                 f"got {self.top_k!r}"
             )
-        if self.shared_expert_intermediate_size < 0:
+        if (
+            not _is_int(self.shared_expert_intermediate_size)
+            or self.shared_expert_intermediate_size < 0
+        ):
             raise ValueError("shared_expert_intermediate_size must be >= 0")
 
     @classmethod
@@ -81,13 +105,16 @@ class MoEConfig:
             raise ValueError(f"hidden_act must be 'silu' in a MoE layer, got {d['hidden_act']!r}")
         mixtral = family == "mixtral"
         inter = "intermediate_size" if mixtral else "moe_intermediate_size"
-        shared = d.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+        shared = "shared_expert_intermediate_size"
+        shared = _field(d, shared, least=0, default=0) if family == "qwen2_moe" else 0
+        if not mixtral:
+            _layer_rules(d)
         return cls(
             num_experts=_field(d, "num_experts", "num_local_experts"),
             top_k=_field(d, "num_experts_per_tok"),
             hidden_size=_field(d, "hidden_size"),
             intermediate_size=_field(d, inter),
-            norm_topk_prob=True if mixtral else bool(d.get("norm_topk_prob", False)),
+            norm_topk_prob=True if mixtral else d.get("norm_topk_prob", False),
             shared_expert_intermediate_size=shared,
             family=family,
         )

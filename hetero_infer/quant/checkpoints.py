@@ -41,11 +41,20 @@ class CheckpointScheme:
         return "w8a8" if self.activations == "int" else "int8"
 
 
-def _group_scheme(g: dict, fmt: str | None) -> CheckpointScheme:
-    "One of `config_groups`, checked."
+def _object(v, where: str) -> dict:
+    "`v` when it is a JSON object; else refused naming `where`."
+    _refuse(isinstance(v, dict), f"{where} must be an object, got {type(v).__name__}")
+    return v
+
+
+def _group_scheme(name: str, g: dict, fmt: str | None) -> CheckpointScheme:
+    "One of `config_groups` (`name`), checked."
+    g = _object(g, f"config_groups.{name}")
     fmt = g.get("format") or fmt
     _refuse(fmt in CHECKPOINT_FORMATS, f"format {fmt!r}")
-    w, a = g.get("weights") or {}, g.get("input_activations")
+    w = _object(g.get("weights") or {}, f"config_groups.{name}.weights")
+    a = g.get("input_activations")
+    a = a if a is None else _object(a, f"config_groups.{name}.input_activations")
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
     _refuse(bits == 8 and kind in ("int", "float"), f"{bits}-bit {kind} weights")
     _refuse(strategy in ("channel", "tensor"), f"weight strategy {strategy!r}")
@@ -67,9 +76,9 @@ def checkpoint_scheme(d: dict) -> CheckpointScheme | None:
     _refuse(method == "compressed-tensors", f"quant_method {method!r}")
     _refuse(not qc.get("kv_cache_scheme"), "kv_cache_scheme (stored KV scales)")
     _refuse(not qc.get("sparsity_config") and not qc.get("transform_config"), "sparsity")
-    groups = list((qc.get("config_groups") or {}).values())
+    groups = _object(qc.get("config_groups") or {}, "config_groups")
     _refuse(len(groups) > 0, "no config_groups")
-    schemes = {_group_scheme(g, qc.get("format")) for g in groups}
+    schemes = {_group_scheme(k, g, qc.get("format")) for k, g in groups.items()}
     _refuse(len(schemes) == 1, "several different schemes in one checkpoint")
     return schemes.pop()
 

@@ -132,14 +132,16 @@ class ExtendedRequest:
                 self.used.append((ext, state))
 
     def sampling_kwargs(self) -> dict:
-        "Every extension's `SamplingParams` keyword arguments (two asking for one field: a 400)."
-        kw = {}
+        """Every extension's `SamplingParams` keyword arguments; their `extra_args` dicts merge
+        (two asking for one field, or one `extra_args` key: a 400)."""
+        kw, extra = {}, {}
         for ext, state in self.used:
-            new = ext.sampling_kwargs(state)
-            for k in sorted(set(kw) & set(new)):
+            new = dict(ext.sampling_kwargs(state))
+            for k in sorted((set(kw) & set(new)) | (set(extra) & set(new.get("extra_args", {})))):
                 raise APIError(400, f"{k}: asked for by two kinds of request fields", param=k)
+            extra |= new.pop("extra_args", None) or {}
             kw |= new
-        return kw
+        return kw | ({"extra_args": extra} if extra else {})
 
     def chat_prompt(self, messages: list[dict], template_kwargs: dict):
         "The messages and chat-template keyword arguments after every extension's changes."

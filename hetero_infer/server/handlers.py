@@ -23,7 +23,9 @@ from hetero_infer.server.protocol import (
     chat_logprobs,
     check_length,
     completion_logprobs,
+    completion_scoring,
     error_from,
+    prompt_logprobs_field,
     sampling_params,
 )
 
@@ -158,12 +160,15 @@ class OpenAIHandlers:
         "The request through the server's extensions (their fields checked: a 400 names one)."
         return ExtendedRequest(self.extensions, req, endpoint)
 
-    def params(self, req, max_tokens, logprobs, fallback_max_tokens, extended) -> SamplingParams:
+    def params(
+        self, req, max_tokens, logprobs, fallback_max_tokens, extended, prompt_logprobs=None
+    ) -> SamplingParams:
         "The request's `SamplingParams` over the server's defaults; a bad field is a 400."
         d = dict(self.defaults)
         d.setdefault("max_tokens", fallback_max_tokens)
         try:
-            return sampling_params(req, max_tokens, logprobs, d, extended.sampling_kwargs())
+            kw = extended.sampling_kwargs()
+            return sampling_params(req, max_tokens, logprobs, d, kw, prompt_logprobs)
         except ValueError as e:
             raise error_from(e) from None
 
@@ -214,15 +219,34 @@ class OpenAIHandlers:
 
 
 # %% ../../nbs/09_server.ipynb #f520deb1
+def _completion_choice(req, out, c, echo: str, tok, sent, score_only: bool) -> dict:
+    """Choice `c` of `out` as the answer shows it, past `sent` = (characters, tokens) already
+    streamed; `sent` None: all of it, led by the echo and the prompt's logprobs."""
+    chars, toks = sent or (0, 0)
+    text, new, lps = c.text[chars:], c.token_ids[toks:], (c.logprobs or [])[toks:]
+    reason, stop = c.finish_reason, c.stop_reason
+    if score_only:  # max_tokens 0: the one token the engine generated is no part of the answer
+        text, new, lps = "", [], []
+        reason, stop = ("length", None) if reason in ("stop", "length") else (reason, stop)
+    lp = None
+    if req.logprobs is not None:
+        lp = completion_logprobs(new, lps, req.logprobs, tok, len(echo) + chars)
+    if sent is None:
+        text = echo + text
+        if lp is not None and req.echo:
+            lead = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, req.logprobs, tok)
+            lp = {key: lead[key] + lp[key] for key in lp}
+    return {"text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
+
+
 async def handle_completions(h: OpenAIHandlers, req: CompletionRequest, raw):
     "`POST /v1/completions`: one or a batch of prompts (text or token ids), maybe streamed."
     h.check_model(req.model)
     req.refuse_unsupported()
     prompts = _prompt_list(req.prompt)
-    if req.echo and req.logprobs is not None:
-        msg = "echo with logprobs is not supported: the engine computes no prompt logprobs"
-        raise APIError(400, msg, param="echo")
-    params = h.params(req, req.max_tokens, req.logprobs, 16, h.extended(req, "completions"))
+    max_tokens, k_prompt, score_only = completion_scoring(req)
+    extended = h.extended(req, "completions")
+    params = h.params(req, max_tokens, req.logprobs, 16, extended, k_prompt)
     tok = h.aeng.tokenizer
     ids = [await h.encode(_encode, tok, p) for p in prompts]
     for x in ids:
@@ -234,7 +258,7 @@ async def handle_completions(h: OpenAIHandlers, req: CompletionRequest, raw):
     rids = await h.admit(ids, params)
     head = _head("text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), h.name)
     if req.stream:
-        return h.sse(completion_events(h, req, params, rids, ids, echo, head))
+        return h.sse(completion_events(h, req, params, rids, ids, echo, head, score_only))
     finals = await h.collect(rids, raw)
     if finals is None:
         return None
@@ -242,17 +266,17 @@ async def handle_completions(h: OpenAIHandlers, req: CompletionRequest, raw):
     for i, out in enumerate(finals):
         _raise_failed(out)
         for c in out.outputs:
-            lp = None
-            if req.logprobs is not None:
-                lps = c.logprobs or []
-                lp = completion_logprobs(c.token_ids, lps, req.logprobs, tok, len(echo[i]))
-            choice = {"index": i * params.n + c.index, "text": echo[i] + c.text}
-            choice.update(logprobs=lp, finish_reason=c.finish_reason)
-            choices.append({**choice, "stop_reason": c.stop_reason})
-    return {**head, "choices": choices, "usage": _usage(ids, finals)}
+            choice = {"index": i * params.n + c.index}
+            choice.update(_completion_choice(req, out, c, echo[i], tok, None, score_only))
+            if req.prompt_logprobs is not None:
+                scores = prompt_logprobs_field(ids[i], out.prompt_logprobs, req.prompt_logprobs)
+                choice["prompt_logprobs"] = scores
+            choices.append(choice)
+    return {**head, "choices": choices, "usage": _usage(ids, [] if score_only else finals)}
 
 
-async def completion_events(h: OpenAIHandlers, req, params, rids, ids, echo, head):
+# %% ../../nbs/09_server.ipynb #bab23ff5
+async def completion_events(h: OpenAIHandlers, req, params, rids, ids, echo, head, score_only):
     "SSE events of a streamed completion: text deltas, finish reasons, usage if asked, [DONE]."
     usage = req.stream_options is not None and req.stream_options.include_usage
     sent, done, finals = {}, set(), {}
@@ -263,25 +287,20 @@ async def completion_events(h: OpenAIHandlers, req, params, rids, ids, echo, hea
             _raise_failed(out)
             for c in out.outputs:
                 idx = i * params.n + c.index
-                chars, toks = sent.get(idx, (0, 0))
-                text = (echo[i] if idx not in sent else "") + c.text[chars:]
-                new = c.token_ids[toks:]
-                if idx in done or (not text and not new and c.finish_reason is None):
+                new = c.token_ids[sent.get(idx, (0, 0))[1] :]
+                part = _completion_choice(
+                    req, out, c, echo[i], h.aeng.tokenizer, sent.get(idx), score_only
+                )
+                if idx in done or (not part["text"] and not new and c.finish_reason is None):
                     continue
-                lp = None
-                if req.logprobs is not None:
-                    lps, offset = (c.logprobs or [])[toks:], len(echo[i]) + chars
-                    lp = completion_logprobs(new, lps, req.logprobs, h.aeng.tokenizer, offset)
                 sent[idx] = (len(c.text), len(c.token_ids))
                 if c.finish_reason is not None:
                     done.add(idx)
-                choice = {"index": idx, "text": text, "logprobs": lp}
-                choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                choice = {"index": idx, **part}
                 yield _sse({**head, "choices": [choice], **({"usage": None} if usage else {})})
         if usage:
-            yield _sse(
-                {**head, "choices": [], "usage": _usage(ids, [finals[i] for i in sorted(finals)])}
-            )
+            shown = [] if score_only else [finals[i] for i in sorted(finals)]
+            yield _sse({**head, "choices": [], "usage": _usage(ids, shown)})
     except Exception as e:
         yield _sse(error_from(e).body())
     yield "data: [DONE]\n\n"
@@ -300,7 +319,7 @@ async def handle_chat(h: OpenAIHandlers, req: ChatCompletionRequest, raw):
     max_tokens = req.max_completion_tokens
     max_tokens = req.max_tokens if max_tokens is None else max_tokens
     extended, tok = h.extended(req, "chat"), h.aeng.tokenizer
-    params = h.params(req, max_tokens, k, None, extended)
+    params = h.params(req, max_tokens, k, None, extended, req.prompt_logprobs)
     ids = await h.encode(_chat_ids, tok, req, extended)
     check_length(len(ids), params, h.aeng.max_model_len, "messages")
     shapes = [extended.chat_choice(tok) for _ in range(params.n)]
@@ -319,7 +338,11 @@ async def handle_chat(h: OpenAIHandlers, req: ChatCompletionRequest, raw):
         message, reason = shapes[c.index].message(c.text, c.finish_reason)
         choice = {"index": c.index, "message": message, "logprobs": lp}
         choices.append({**choice, "finish_reason": reason, "stop_reason": c.stop_reason})
-    return {**head, "choices": choices, "usage": _usage([ids], finals)}
+    body = {**head, "choices": choices, "usage": _usage([ids], finals)}
+    if req.prompt_logprobs is not None:  # vLLM's place for them: beside the choices
+        scores = finals[0].prompt_logprobs
+        body["prompt_logprobs"] = prompt_logprobs_field(ids, scores, req.prompt_logprobs)
+    return body
 
 
 async def chat_events(h: OpenAIHandlers, req, rids, ids, head, shapes):

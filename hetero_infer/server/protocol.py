@@ -25,6 +25,7 @@ __all__ = [
     "UNSUPPORTED_FIELDS",
     "COMPLETION_UNSUPPORTED",
     "CHAT_UNSUPPORTED",
+    "LOGPROB_FLOOR",
     "APIError",
     "OpenAIBody",
     "StreamOptions",
@@ -34,9 +35,11 @@ __all__ = [
     "ChatCompletionRequest",
     "error_from",
     "sampling_params",
+    "completion_scoring",
     "check_length",
     "completion_logprobs",
     "chat_logprobs",
+    "prompt_logprobs_field",
 ]
 
 
@@ -69,7 +72,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple]] = {
     "functions": ("function calling is not supported", ()),
     "function_call": ("function calling is not supported", ("none",)),
     "use_beam_search": ("beam search is not supported", (False,)),
-    "prompt_logprobs": ("the engine computes no prompt logprobs", ()),
     "allowed_token_ids": ("restricting the vocabulary is not supported", ()),
     "bad_words": ("bad words are not supported", ()),
     "truncate_prompt_tokens": ("prompt truncation is not supported", ()),
@@ -143,13 +145,18 @@ class SamplingFields(OpenAIBody):
     min_tokens: Optional[StrictInt] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    # vLLM: each prompt token's logprob and the top k (not streamed)
+    prompt_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # advisory (OpenAI: an end-user id for abuse monitoring): ignored
 
     def refuse_unsupported(self) -> None:
-        "The endpoint's refusals, then `stream_options`' (which needs `stream: true`)."
+        "The endpoint's refusals, `stream_options` without `stream`, `prompt_logprobs` with it."
         super().refuse_unsupported()
+        if self.prompt_logprobs is not None and self.stream:
+            msg = "prompt_logprobs: not available with stream: true (as in vLLM)"
+            raise APIError(400, msg, param="prompt_logprobs")
         if self.stream_options is not None:
             if not self.stream:
                 msg = "stream_options: only allowed when stream is true"
@@ -162,7 +169,7 @@ class CompletionRequest(SamplingFields):
 
     unsupported = COMPLETION_UNSUPPORTED
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    # None: the server's default (`serve --max-tokens`), else OpenAI's 16
+    # None: the server's default (`serve --max-tokens`), else OpenAI's 16; 0 with echo: score
     max_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictInt] = None
     echo: bool = False
@@ -269,6 +276,7 @@ def sampling_params(
     logprobs: int | None,
     defaults: dict | None = None,  # the server's, for the fields a request leaves out
     extra: dict | None = None,  # what the request's extension fields ask for
+    prompt_logprobs: int | None = None,  # top k of each prompt token (None: no scoring)
 ) -> SamplingParams:
     "A request's `SamplingParams`: its fields, else the server's defaults, else the dataclass's."
     given = {k: getattr(req, k) for k in _SAMPLING_NAMES if getattr(req, k) is not None}
@@ -280,7 +288,20 @@ def sampling_params(
     if req.best_of is not None and req.best_of != kw.get("n", 1):
         n = kw.get("n", 1)
         raise ValueError(f"best_of: only best_of equal to n ({n}) is supported, got {req.best_of}")
-    return SamplingParams(**kw, logprobs=logprobs)
+    return SamplingParams(**kw, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def completion_scoring(req: CompletionRequest) -> tuple[int | None, int | None, bool]:
+    """What a completion asks of the engine: `(max_tokens, prompt_logprobs, score_only)`;
+    `score_only` (`max_tokens: 0` with `echo`): the answer is the prompt and its logprobs."""
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        msg = "max_tokens: 0 generates nothing, which only echo: true can use (to score the"
+        raise APIError(400, msg + " prompt); without echo it must be >= 1", param="max_tokens")
+    k = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        k = req.logprobs if k is None else max(k, req.logprobs)
+    return (1 if score_only else req.max_tokens), k, score_only
 
 
 def check_length(
@@ -301,6 +322,14 @@ def check_length(
 
 
 # %% ../../nbs/09_server.ipynb #1b38e580
+LOGPROB_FLOOR = -9999.0  # what a masked token's -inf logprob is in JSON (vLLM's value)
+
+
+def _finite(x: float) -> float:
+    "A logprob JSON can carry: -inf (and nan) become `LOGPROB_FLOOR`."
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _tok_str(lp, tid: int, tokenizer) -> str:
     "The text of one token (from its `Logprob` when the engine decoded it)."
     if lp is not None and lp.decoded_token is not None:
@@ -309,18 +338,26 @@ def _tok_str(lp, tid: int, tokenizer) -> str:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[dict], k: int, tokenizer, offset: int = 0
+    token_ids: list[int],
+    logprobs: list[dict | None],  # per token; None where nothing predicts it (a prompt's first)
+    k: int,
+    tokenizer,
+    offset: int = 0,  # the text offset of the first token
 ) -> dict:
     "Completions' logprobs: `tokens`, `token_logprobs`, `top_logprobs` (top `k` + chosen), offsets."
     tokens, lps, tops, offs = [], [], [], []
     for tid, d in zip(token_ids, logprobs):
-        s = _tok_str(d.get(tid), tid, tokenizer)
+        s = _tok_str(d.get(tid) if d else None, tid, tokenizer)
         tokens.append(s)
-        lps.append(d[tid].logprob if tid in d else None)
         offs.append(offset)
         offset += len(s)
+        if d is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(_finite(d[tid].logprob) if tid in d else None)
         top = {t: lp for t, lp in d.items() if t == tid or (lp.rank or 0) <= k}
-        tops.append({_tok_str(lp, t, tokenizer): lp.logprob for t, lp in top.items()})
+        tops.append({_tok_str(lp, t, tokenizer): _finite(lp.logprob) for t, lp in top.items()})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
 
@@ -329,7 +366,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, tokenizer)
 
     def entry(t, lp):
         s = _tok_str(lp, t, tokenizer)
-        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
+        return {"token": s, "logprob": _finite(lp.logprob), "bytes": list(s.encode())}
 
     content = []
     for tid, d in zip(token_ids, logprobs):
@@ -337,3 +374,18 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int, tokenizer)
         top = sorted(ranked, key=lambda x: x[1].rank)
         content.append({**entry(tid, d[tid]), "top_logprobs": [entry(t, lp) for t, lp in top]})
     return {"content": content}
+
+
+def prompt_logprobs_field(token_ids: list[int], logprobs: list[dict | None], k: int) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or `{token id: {logprob, rank,
+    decoded_token}}` for the actual token and the top `k`."""
+
+    def entry(lp):
+        return {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+
+    return [
+        None
+        if d is None
+        else {str(t): entry(lp) for t, lp in d.items() if t == tid or (lp.rank or 0) <= k}
+        for tid, d in zip(token_ids, logprobs)
+    ]
