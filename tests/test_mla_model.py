@@ -6,8 +6,10 @@ a dense first layer, a shared expert), alone, with chunked prefill + prefix cach
 with tensor_parallel_size=2; the latent cache's size in blocks; bad configs refused by field."""
 
 import json
+from pathlib import Path
 import pytest
 import torch
+import hetero_infer
 from hetero_infer.core.config import EngineConfig
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM
@@ -103,6 +105,11 @@ def test_the_triton_backend_in_the_interpreter(v3):
 
 def test_tensor_parallel_2(v3):
     "Heads split over two gloo ranks, each with the whole latent cache; experts split by 16's rule."
+    init = Path(hetero_infer.__file__).read_text()
+    assert "hetero_infer.mla.model" in init, (
+        "hetero_infer/__init__.py must import hetero_infer.mla.model: the spawned ranks import the "
+        "package, and only then know the DeepSeek family"
+    )
     path, hf = v3
     ps = prompts((3, 17, 60, 9))
     assert _run(path, ps, tensor_parallel_size=2) == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
@@ -153,7 +160,7 @@ def test_what_does_not_compose_yet_is_refused(v3):
     path = str(v3[0])
     with pytest.raises(ValueError, match="quantization='int8' is not supported"):
         EngineConfig(model=path, quantization="int8")
-    with pytest.raises(ValueError, match="kv_role='kv_producer' is not supported"):
+    with pytest.raises(ValueError, match="kv_role='(kv_producer|prefill)' is not supported"):
         EngineConfig(model=path, kv_role="kv_producer")
 
 

@@ -12,11 +12,14 @@ from ..model.layers import ModelConfig, register_attention, register_mlp, regist
 from ..model.loading import no_windows, register_architecture, register_load_hook
 from ..model.runner import register_cache_layout
 from ..parallel.shards import register_sharder
+from ..moe.model import EXPERT_ARCHITECTURES
+from ..testing import DUMMY_CONFIGS
 from .attention import MLAttention
 from .cache import latent_cache_shapes
 from .config import DEEPSEEK_ARCHITECTURES, MLAConfig, config_int, mla_rope
 from .tiles import mla_decode_specs
 from .moe import DeepseekMoE, DeepseekMoEConfig, shard_deepseek_moe
+from .testing import DEEPSEEK_V2_LITE
 
 # %% auto #0
 __all__ = [
@@ -58,6 +61,7 @@ def deepseek_config(d: dict) -> ModelConfig:
 
 for _arch in DEEPSEEK_ARCHITECTURES:
     register_architecture(_arch, "DeepSeek", no_windows, deepseek_config)
+EXPERT_ARCHITECTURES.update(DEEPSEEK_ARCHITECTURES)  # enable_expert_parallel takes them
 
 
 def _mla(c: ModelConfig) -> MLAConfig | None:
@@ -136,3 +140,7 @@ def check_mla_fields(config) -> None:
             f"kv_role={config.kv_role!r} is not supported for {arch} yet (disaggregation moves "
             "K/V pairs; this model caches latents)"
         )
+
+
+# %% ../../nbs/18_multi_head_latent_attention.ipynb #b32d6a03
+DUMMY_CONFIGS["deepseek-v2-lite"] = DEEPSEEK_V2_LITE  # a benchmark shape: --dummy-config

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 # %% auto #0
-__all__ = ["DEEPSEEK_TEST_CONFIGS", "tiny_deepseek_checkpoint"]
+__all__ = ["DEEPSEEK_TEST_CONFIGS", "DEEPSEEK_V2_LITE", "tiny_deepseek_checkpoint"]
 
 # %% ../../nbs/18_multi_head_latent_attention.ipynb #2cc189a3
 DEEPSEEK_TEST_CONFIGS = {  # the fields each tiny checkpoint sets beyond the shared ones
@@ -50,3 +50,22 @@ def tiny_deepseek_checkpoint(path, version: str = "v3", seed: int = 0, **overrid
                 b.normal_(0, 0.5)
     model.eval().save_pretrained(path, safe_serialization=True)
     return model
+
+
+# %% ../../nbs/18_multi_head_latent_attention.ipynb #64e84250
+DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite's config.json, the fields the engine reads
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10944,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "attention_bias": False, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                     "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 163840, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "vocab_size": 102400,
+    "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
