@@ -1,9 +1,8 @@
-"""Multi-head latent attention's pieces (18_multi_head_latent_attention): the absorbed decode
-kernels (Triton, in the interpreter on CPU, and chapter 03a's C++ one) equal the torch reference on
-a NaN-filled latent cache across block sizes, context lengths, batch shapes, head counts and awkward
-latent widths, with and without split-K; absorbed attention equals decompress-then-attend on mixed
-steps; DeepSeek's router equals transformers' on random logits; the kernel's binaries compile for
-sm_80 and sm_90 without spills."""
+"""Multi-head latent attention's pieces (18_multi_head_latent_attention): the absorbed decode kernel
+(Triton, in the interpreter on CPU) equals the torch reference on a NaN-filled latent cache across
+block sizes, context lengths, batch shapes, head counts and awkward latent widths, with and without
+split-K; absorbed attention equals decompress-then-attend on mixed steps; DeepSeek's router equals
+transformers' on random logits; the kernel's binaries compile for sm_80 and sm_90 without spills."""
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from hetero_infer.attention.backend import AttentionMetadata
 from hetero_infer.attention.torch_ref import bucket_keys
 from hetero_infer.mla.attention import (
     absorbed_query,
-    cpp_latent_decode,
     decompress_cheaper,
     decompressed_attention,
     latent_attention,
@@ -58,17 +56,6 @@ def test_the_kernel_equals_the_reference_on_a_nan_cache(bs, lens, shape):
     for splits in (1, 3):
         out = triton_mla_decode(q, latent, meta.block_tables, meta.seq_lens, 0.2, r, splits)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("bs, lens, shape", CASES)
-def test_the_cpp_kernel_equals_the_reference_on_a_nan_cache(bs, lens, shape):
-    "Chapter 03a's C++ decode kernel, handed the latent cache as its keys and its values."
-    H, r, dr = shape
-    latent, meta = _cache(list(lens), bs, r + dr, seed=bs + len(lens))
-    q = torch.randn(len(lens), H, r + dr)
-    ref = latent_attention(q, latent, meta.attention_plan(bs, None, 256), 0.2, r)
-    out = cpp_latent_decode(q, latent, meta.block_tables, meta.seq_lens, 0.2, r)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_the_kernel_in_half_precision():

@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
-from ..attention.cpp import CPP_DTYPES, cpp_decode_op, cpp_paged_decode_attention
 from ..attention.torch_ref import bucket_keys, plan_attention
 from ..model.layers import RMSNorm, apply_rope
 from .cache import write_latent
@@ -22,7 +21,6 @@ __all__ = [
     "absorbed_query",
     "unabsorb",
     "latent_attention",
-    "cpp_latent_decode",
     "decompress_cheaper",
     "LatentGroup",
     "latent_groups",
@@ -105,23 +103,6 @@ def latent_attention(
             o = o.index_select(0, b.keep)
         out.index_copy_(0, b.out_rows, o)
     return out
-
-
-# %% ../../nbs/18_multi_head_latent_attention.ipynb #16f6ad18
-def cpp_latent_decode(
-    q: torch.Tensor,  # (S, H, r + dr) absorbed queries, one per sequence
-    latent: torch.Tensor,  # (num_blocks, bs, 1, r + dr) the latent cache
-    block_tables: torch.Tensor,  # (S, M)
-    seq_lens: torch.Tensor,  # (S,) context length incl. this token
-    scale: float,
-    kv_lora_rank: int,  # r: the values are the latents' first r channels
-) -> torch.Tensor | None:  # (S, H, r); None where the compiled kernel cannot run
-    "Absorbed decode by chapter 03a's C++ kernel: the latent cache as K and V, the first r kept."
-    here = q.device.type == "cpu" and q.dtype in CPP_DTYPES and latent.dtype == q.dtype
-    if not here or cpp_decode_op() is None:
-        return None
-    out = cpp_paged_decode_attention(q, latent, latent, block_tables, seq_lens, scale)
-    return out[..., :kv_lora_rank]  # (S, H, r + dr) -> the latents' weighted sum
 
 
 # %% ../../nbs/18_multi_head_latent_attention.ipynb #6686996c
@@ -235,15 +216,11 @@ class MLAttention(nn.Module):
         return self.o_proj(out.view(T, -1))
 
     def absorbed(self, q_nope, q_pe, latent, meta, g, backend):  # (Tg, H, dn), (Tg, H, dr)
-        "The group's rows absorbed: a compiled decode kernel (C++, Triton) when one applies."
+        "The group's rows absorbed: the Triton decode kernel when it applies, else torch."
         w_uk, w_uv = self.absorbed_weights()
         qa = torch.cat([absorbed_query(q_nope, w_uk), q_pe], dim=-1)  # (Tg, H, r + dr)
         r, decodes = self.m.kv_lora_rank, len(g.rows) == len(g.seqs)
         tables, lens = meta.block_tables[g.seqs], meta.seq_lens[g.seqs]
-        if backend.name == "cpp" and decodes:  # chapter 03a's kernel, None where it cannot run
-            o = cpp_latent_decode(qa, latent, tables, lens, self.scale, r)
-            if o is not None:
-                return unabsorb(o, w_uv)
         if backend.name == "triton" and decodes:
             if mla_kernel_unsupported(qa.dtype, latent.dtype, qa.device) is None:
                 from hetero_infer.mla.kernels import triton_mla_decode
