@@ -512,9 +512,9 @@ def test_vllm_peer_real_run_through_the_command(tmp_path, capsys):
 
 def test_offline_threads_survive_the_runners_load_based_choice(tmp_path, monkeypatch):
     """`--threads N` is the user's choice even when N is torch's default count: on a busy machine
-    the runner's load-based choice (05's set_cpu_threads) would otherwise cut ours to fewer threads,
+    the runner's load-based choice (11's set_cpu_threads) would otherwise cut ours to fewer threads,
     and vLLM's worker, which gets ours' count, with it. (It can fail only where torch has 2+.)"""
-    import hetero_infer.model.loading as loading
+    import hetero_infer.bench.threads as loading
 
     n, before = loading._TORCH_DEFAULT_THREADS, torch.get_num_threads()
     monkeypatch.setattr(loading, "_threads_decided", False)

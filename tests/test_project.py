@@ -224,27 +224,42 @@ def test_notebooks_remove_their_temporary_files():
 
 
 def developers_map(text: str) -> dict[str, set[str]]:
-    "DEVELOPERS.md's notebook map: notebook -> the modules its bullet names."
+    """DEVELOPERS.md's notebook map: notebook -> the modules its bullet names, as paths relative to
+    hetero_infer/."""
     sec = text.split("### Which notebook exports which module", 1)[1].split("\n### ", 1)[0]
     items = re.findall(r"^- `(\w+)`: (.*?)(?=^- |\Z)", sec, re.M | re.S)
-    return {nb: set(re.findall(r"`(\w+)\.py`", mods)) for nb, mods in items}
+    return {nb: set(re.findall(r"`([\w/]+\.py)`", mods)) for nb, mods in items}
+
+
+def exported_modules() -> dict[str, set[str]]:
+    """Notebook -> every module under hetero_infer/ whose nbdev header names it, as paths relative
+    to hetero_infer/ (`__init__.py` files and `_modidx.py` left out; `__main__.py` included)."""
+    pkg, made = root / "hetero_infer", {}
+    for py in sorted(pkg.rglob("*.py")):
+        if py.name in ("__init__.py", "_modidx.py"):
+            continue
+        nb = re.search(r"File to edit: (?:\.\./)+nbs/(\w+)\.ipynb", py.read_text()[:600])
+        assert nb, f"{py.relative_to(root)} names no notebook"
+        made.setdefault(nb[1], set()).add(py.relative_to(pkg).as_posix())
+    return made
 
 
 def test_developers_md_maps_every_module_to_its_notebook():
-    """Every module in hetero_infer/ is listed under the notebook that exports it (nbdev's header
-    names it), and the map lists no module that does not exist."""
+    """Every module in hetero_infer/ (subpackages included) is listed under the notebook that
+    exports it (nbdev's header names it), and the map lists no module that does not exist."""
     mapped = developers_map((root / "DEVELOPERS.md").read_text())
-    made: dict[str, set[str]] = {}
-    for py in (root / "hetero_infer").glob("*.py"):
-        nb = re.search(r"File to edit: \.\./nbs/(\w+)\.ipynb", py.read_text()[:600])
-        if py.name != "_modidx.py" and nb:
-            made.setdefault(nb[1], set()).add(py.stem)
+    made = exported_modules()
+    assert "__main__.py" in made["10_cli"]
     assert mapped == made
 
 
 def test_developers_map_reads_the_bullets():
-    text = "### Which notebook exports which module\n\n- `00_a`: `a.py`, `b.py` (see\n  `c.py`)\n"
-    assert developers_map(text + "- `01_d`: `d.py`\n\n### next\n- `02_e`: `e.py`\n") == {
-        "00_a": {"a", "b", "c"},
-        "01_d": {"d"},
+    text = (
+        "### Which notebook exports which module\n\n"
+        "- `00_a`: `a/b.py`, `a/c/d.py` (see\n  `a/e.py`; not `a.b`)\n"
+        "- `01_d`: `__main__.py`, `d.py`\n\n### next\n- `02_e`: `e/f.py`\n"
+    )
+    assert developers_map(text) == {
+        "00_a": {"a/b.py", "a/c/d.py", "a/e.py"},
+        "01_d": {"__main__.py", "d.py"},
     }

@@ -140,7 +140,7 @@ def _offline_settings(args) -> tuple[str, str]:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-        # the user chose: the runner's load-based choice (05's set_cpu_threads) must not undo it
+        # the user chose: the runner's load-based choice (set_cpu_threads, above) must not undo it
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..core.config import DEFAULT_HOST, DEFAULT_PORT, resolve_model_path
 from ..core.sampling_params import SamplingParams
 from ..core.config import EngineConfig
-from ..core.hpi_config import HPI_KEYS, is_hpi_format
+from .hpi_config import HPI_KEYS, is_hpi_format
 from .flags import ENGINE_FLAGS, UsageError, apply_cli_args
 
 # %% auto #0

@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 
-from .hpi_config import hpi_to_ours, is_hpi_format
-
 # %% auto #0
 __all__ = [
     "DTYPES",
@@ -22,6 +20,7 @@ __all__ = [
     "DEFAULT_PORT",
     "CONFIG_CHECKS",
     "DEMO_MODEL_DIR",
+    "CONFIG_FORMATS",
     "check_field",
     "is_int",
     "is_num",
@@ -37,6 +36,7 @@ __all__ = [
     "check_cache",
     "check_batch",
     "check_serving",
+    "register_config_format",
     "read_config",
 ]
 
@@ -357,8 +357,15 @@ _PKG_DIR = (
 )
 DEMO_MODEL_DIR = _PKG_DIR / "demo_model"  # the shipped demo checkpoint (08_demo_model)
 
-
 # %% ../../nbs/00_core.ipynb #50205c89
+CONFIG_FORMATS: list = []  # later chapters' readers of other config formats
+
+
+def register_config_format(convert):
+    "Read configs in another format: `convert(d)` is `d` in our keys, or None when not its format."
+    return register(CONFIG_FORMATS, convert)
+
+
 def _read_text(path: str | Path) -> str:
     "The text of config file `path`; ValueError saying why when it cannot be read."
     try:
@@ -368,7 +375,7 @@ def _read_text(path: str | Path) -> str:
 
 
 def read_config(src: str | Path | dict) -> dict:
-    "Config `src` (a JSON file, JSON text or a dict; ours or hetero-paged-infer's) in our keys."
+    "Config `src` (a JSON file, JSON text or a dict; ours or a registered format) in our keys."
     if isinstance(src, (str, Path)):
         is_text = isinstance(src, str) and src.lstrip().startswith("{")
         try:
@@ -377,4 +384,8 @@ def read_config(src: str | Path | dict) -> dict:
             raise ValueError(f"config is not valid JSON: {e}") from None
     if not isinstance(src, dict):
         raise ValueError(f"config must be a JSON object, got {type(src).__name__}")
-    return hpi_to_ours(src) if is_hpi_format(src) else src
+    for convert in CONFIG_FORMATS:
+        ours = convert(src)
+        if ours is not None:
+            return ours
+    return src

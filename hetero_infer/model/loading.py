@@ -22,14 +22,11 @@ __all__ = [
     "load_model",
     "resolve_device",
     "resolve_dtype",
-    "cpu_threads",
-    "set_cpu_threads",
 ]
 
 # %% ../../nbs/05_model.ipynb #b0564009
 import contextlib
 import json
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -430,37 +427,3 @@ def resolve_dtype(
     if torch.device(device).type != "cuda":
         return torch.float32
     return gpu_dtype(_to_dtype(checkpoint_dtype or "float32"), device, False, capability)
-
-
-# %% ../../nbs/05_model.ipynb #0f8d59fd
-_TORCH_DEFAULT_THREADS = torch.get_num_threads()  # the count torch chose at start-up
-_threads_decided = False
-
-
-def cpu_threads(
-    cores: int | None = None,  # CPUs this process may run on; None: its affinity mask
-    load: float | None = None,  # the machine's 1-minute load average; None: os.getloadavg()
-) -> int:
-    "Intra-op threads for a CPU engine: the cores other work leaves idle, in [1, torch's default]."
-    if cores is None:
-        cores = (
-            len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else (os.cpu_count() or 1)
-        )
-    if load is None:
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(_TORCH_DEFAULT_THREADS, cores - int(load)))
-
-
-def set_cpu_threads() -> int:
-    "Apply `cpu_threads()` once per process unless the user chose a count; the threads in use."
-    global _threads_decided
-    if (
-        not _threads_decided
-        and "OMP_NUM_THREADS" not in os.environ
-        and torch.get_num_threads() == _TORCH_DEFAULT_THREADS
-    ):
-        torch.set_num_threads(cpu_threads())
-    _threads_decided = True
-    return torch.get_num_threads()

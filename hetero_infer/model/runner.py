@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from ..attention.backend import AttentionMetadata
 from .layers import LlamaModel, ModelConfig, pack_linears
-from .loading import attention_backend_for, load_model, set_cpu_threads
+from .loading import attention_backend_for, load_model
 from .loading import resolve_device, resolve_dtype
 
 # %% ../../nbs/05_model.ipynb #24c9017b
@@ -162,13 +162,13 @@ class ModelRunner:
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cache_dtype = self.dtype  # what the KV cache holds; a setup may change it
+        self.threads = None  # intra-op threads, when a setup chose them (11 does on CPU)
         self.notes = [line for setup in RUNNER_SETUPS.values() for line in setup(self) or []]
         c = self.model.config
         self.model.backend = attention_backend_for(
             config.attention_backend, c, self.dtype, self.device, self.cache_dtype
         )
         on_cpu = self.device.type == "cpu"
-        self.threads = set_cpu_threads() if on_cpu else None  # intra-op threads on CPU
         self.packed = pack_linears(self.model) if on_cpu else 0  # layers in oneDNN's layout
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(config.max_model_len, c.max_position_embeddings)

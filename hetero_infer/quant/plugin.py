@@ -128,7 +128,7 @@ register_engine_flags({
     "quantization": (["--quantization", "-q"], str, QUANTIZATION_MODES,
         "linear weights quantized at load: int8 or w8a8 (15_quantization; default: off)"),
     "kv_cache_dtype": (["--kv-cache-dtype"], str, KV_CACHE_DTYPES,
-        "KV-cache element type; auto = the model's dtype, fp8 = half its bytes (15)"),
+        "KV-cache element type: auto (the model's), fp8 or fp8_e4m3 (half the bytes of bf16)"),
 }, bench=True)
 register_engine_flags({
     "quantize_lm_head": (["--quantize-lm-head"], bool, None,
