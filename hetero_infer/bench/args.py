@@ -172,6 +172,69 @@ def _offline_run_args(o):
     )
 
 
+# %% ../../nbs/11_benchmarks.ipynb #a5e1c0db
+def _serve_peer_args(s):
+    "`bench serve --peers vllm`: vLLM's OpenAI server beside ours, and what both servers share."
+    s.add_argument(
+        "--peers",
+        default="",
+        choices=("", "vllm"),
+        help="vllm: serve the model with ours and then with vLLM's OpenAI server (from "
+        "--vllm-python), the same load on each, and print ours ÷ vLLM (default: ours only)",
+    )
+    s.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="a Python interpreter with vLLM (e.g. a venv's bin/python), for --peers vllm "
+        "(default: none)",
+    )
+    s.add_argument(
+        "--vllm-args",
+        default="",
+        help='extra arguments for vLLM\'s server, e.g. "--max-num-batched-tokens 4096" '
+        "(default: none)",
+    )
+    s.add_argument(
+        "--dtype",
+        default=None,
+        help="dtype of every server started here (default: each server's own; with --peers "
+        "vllm: float32 on CPU, bfloat16 on GPU, for both)",
+    )
+    s.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences per step of every server started here (default: each server's own; "
+        "with --peers vllm: 256 for both)",
+    )
+    s.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of each server: OMP_NUM_THREADS for ours, vLLM's worker bound to as "
+        "many cores (default: each server's own choice)",
+    )
+    s.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most; the others wait in the client (default: no limit)",
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port of the servers started here, one after the other (default: a free one each)",
+    )
+    s.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a started server may take to get ready (default: 600)",
+    )
+
+
 # %% ../../nbs/11_benchmarks.ipynb #4d323ce8
 def _serve_args(s):
     "`bench serve`'s server (started here, or at --url), its load and its goodput targets."
@@ -238,7 +301,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "goodput)",
         description="Streams the workload to an OpenAI-compatible server with Poisson arrivals at "
         "each rate and as a burst. "
-        "Without --url it starts `hetero-infer serve` itself.",
+        "Without --url it starts `hetero-infer serve` itself; with --peers vllm it starts ours "
+        "and then vLLM's OpenAI server, and compares them.",
     )
-    for add in (_model_args, _serve_args, feature_args):
+    for add in (_model_args, _serve_args, _serve_peer_args, feature_args):
         add(s)

@@ -11,9 +11,12 @@ import math
 import os
 import random
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +31,16 @@ __all__ = [
     "latency_stats",
     "serve_metrics",
     "run_load",
+    "free_port",
+    "port_in_use",
+    "ServerSpec",
+    "ours_server",
+    "Running",
+    "stop_server",
+    "launch",
     "serving",
     "served_model",
+    "measure_server",
     "serve_bench",
     "format_serve",
     "plot_rate_sweep",
@@ -116,6 +127,9 @@ def serve_metrics(
         "itl": latency_stats([x for r in ok for x in r.itls]),
         "e2e": latency_stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in recs if r.error})[:5],
+        # a server may send several tokens in one chunk: ITL is then per chunk, TPOT per token
+        "tokens_per_chunk": sum(r.output_len for r in ok)
+        / max(1, sum(len(r.token_times) for r in ok)),
     }
 
 
@@ -148,12 +162,19 @@ async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers:
 
 
 async def _run_load(
-    url: str, model: str, wl: Workload, arrivals: list[float], api_key: str | None, timeout: float
+    url: str,
+    model: str,
+    wl: Workload,
+    arrivals: list[float],
+    api_key: str | None,
+    timeout: float,
+    max_concurrency: int | None = None,
 ) -> tuple[list[RequestRecord], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     recs = [RequestRecord(len(p), o) for p, o in zip(wl.prompts, wl.output_lens)]
+    gate = asyncio.Semaphore(max_concurrency or max(1, len(wl)))  # requests in flight at most
     limits = httpx.Limits(max_connections=len(wl) + 1, max_keepalive_connections=len(wl) + 1)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         t0 = time.perf_counter()
@@ -169,7 +190,8 @@ async def _run_load(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            await _stream_one(client, url, body, recs[i], headers)
+            async with gate:
+                await _stream_one(client, url, body, recs[i], headers)
 
         await asyncio.gather(*(one(i) for i in range(len(wl))))
         return recs, time.perf_counter() - t0
@@ -195,18 +217,31 @@ def run_load(
     seed: int = 0,
     api_key: str | None = None,
     timeout: float = 600,
+    max_concurrency: int | None = None,  # requests in flight at most (None: no limit)
 ) -> tuple[list[RequestRecord], float]:
     "Send the workload with Poisson arrivals at `rate`/s (inf: a burst); records and wall time."
-    return _run_async(
-        _run_load(url, model, wl, poisson_arrivals(len(wl), rate, seed), api_key, timeout)
-    )
+    arrivals = poisson_arrivals(len(wl), rate, seed)
+    return _run_async(_run_load(url, model, wl, arrivals, api_key, timeout, max_concurrency))
 
 
 # %% ../../nbs/11_benchmarks.ipynb #28b41207
-def _free_port() -> int:
+def free_port() -> int:
+    "A TCP port of 127.0.0.1 that nothing holds now."
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    "Whether something holds `host:port` (a server listening there, or a socket bound to it)."
+    with socket.socket() as s:
+        # as servers bind: closed connections still in TIME_WAIT do not hold the port
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def _shown(arg: str) -> str:
@@ -214,54 +249,140 @@ def _shown(arg: str) -> str:
     return Path(arg).name if os.path.isabs(arg) else arg
 
 
-@contextlib.contextmanager
-def serving(
-    url: str | None = None, serve_args: list[str] = (), startup_timeout: float = 120, log=print
-):
-    "The base URL of a server: `url`, or a `hetero-infer serve` started here (stopped on exit)."
+@dataclass
+class ServerSpec:
+    "How to start one OpenAI-compatible server, and the GET that answers 200 once it is ready."
+
+    name: str  # what logs and tables call it: "ours", "vLLM"
+    argv: list[str]  # the command, its port included
+    port: int
+    env: dict = field(default_factory=dict)  # added to this process's environment
+    ready_path: str = "/readyz"
+    flag: str = "--serve-args"  # the bench flag that shapes this server, named by its errors
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def shown(self) -> str:
+        "The command as logs show it: paths by their last part."
+        env = [f"{k}={v}" for k, v in self.env.items()]
+        return " ".join(shlex.quote(_shown(a)) for a in [*env, *self.argv])
+
+
+def ours_server(
+    serve_args: list[str] = (),  # `hetero-infer serve` arguments: the model, engine flags
+    port: int | None = None,  # None: a free port
+    env: dict | None = None,
+) -> ServerSpec:
+    "`hetero-infer serve` from this interpreter, on 127.0.0.1."
+    port = port or free_port()
+    argv = [sys.executable, "-m", "hetero_infer", "serve", "--host", "127.0.0.1"]
+    return ServerSpec("ours", [*argv, "--port", str(port), *serve_args], port, dict(env or {}))
+
+
+# %% ../../nbs/11_benchmarks.ipynb #a5e1c0d2
+@dataclass
+class Running:
+    "A started server: where it answers, the seconds it took to get ready, what it printed."
+
+    url: str
+    startup_s: float
+    log: object  # the file its stdout and stderr go to
+    pid: int = 0  # its process, the leader of its process group
+
+    def tail(self, n: int = 20) -> str:
+        "The last `n` lines the server printed."
+        self.log.flush()
+        self.log.seek(0)
+        return "\n".join(self.log.read().decode(errors="replace").splitlines()[-n:])
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 30) -> None:
+    "SIGTERM to the server's process group, SIGKILL after `grace` s: none of its processes is left."
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the leader's children too (vLLM's engine core)
+    proc.wait()
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _wait_ready(spec: ServerSpec, proc, run: Running, t0: float, timeout: float) -> None:
+    "Poll the ready URL until 200; a server that exits or is not ready in time: ValueError."
     import httpx
 
+    while True:
+        if proc.poll() is not None:
+            raise ValueError(
+                f"{spec.flag}: {spec.name} exited with status {proc.returncode} before it was "
+                f"ready: {spec.shown()}\nits last lines:\n{run.tail()}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(spec.url + spec.ready_path, timeout=2).status_code == 200:
+                return
+        if time.perf_counter() - t0 > timeout:
+            raise ValueError(
+                f"--startup-timeout: {spec.name} was not ready ({spec.ready_path}) within "
+                f"{timeout:g} s: {spec.shown()}\nits last lines:\n{run.tail()}"
+            )
+        time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def launch(spec: ServerSpec, startup_timeout: float = 600, log=print):
+    "Start the server, wait until it is ready, yield it as `Running`; stop it on any exit."
+    if port_in_use(spec.port, spec.host):
+        raise ValueError(f"--port: {spec.host}:{spec.port} is in use; give a free one, or none")
+    log(f"starting {spec.name}: {spec.shown()}")
+    run = Running(spec.url, 0.0, tempfile.TemporaryFile())
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        spec.argv,
+        stdin=subprocess.DEVNULL,
+        stdout=run.log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **spec.env},
+        start_new_session=True,  # its own process group: Ctrl-C here reaches it through `finally`
+    )
+    run.pid = proc.pid
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _interrupted) if main else None  # SIGTERM as Ctrl-C
+    try:
+        _wait_ready(spec, proc, run, t0, startup_timeout)
+        run.startup_s = time.perf_counter() - t0
+        log(f"{spec.name}: ready in {run.startup_s:.1f} s")
+        yield run
+    finally:
+        stop_server(proc)
+        run.log.close()
+        if main:
+            signal.signal(signal.SIGTERM, old)
+
+
+# %% ../../nbs/11_benchmarks.ipynb #a5e1c0e3
+@contextlib.contextmanager
+def serving(
+    url: str | None = None,
+    serve_args: list[str] = (),
+    startup_timeout: float = 120,
+    log=print,
+    port: int | None = None,  # of the server started here; None: a free one
+    env: dict | None = None,  # its environment, beside this process's
+):
+    "The base URL of a server: `url`, or a `hetero-infer serve` started here (stopped on exit)."
     if url:
         yield url.rstrip("/")
         return
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_infer",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *serve_args,
-    ]
-    log("starting: hetero-infer " + " ".join(shlex.quote(_shown(a)) for a in cmd[3:]))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
-    try:
-        while True:
-            if proc.poll() is not None:
-                out = proc.stdout.read()[-2000:]
-                raise RuntimeError(
-                    f"hetero-infer serve exited with status {proc.returncode}: {out}"
-                )
-            try:
-                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > startup_timeout:
-                raise RuntimeError(f"hetero-infer serve not ready (/readyz) in {startup_timeout} s")
-            time.sleep(0.25)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with launch(ours_server(serve_args, port, env), startup_timeout, log) as run:
+        yield run.url
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
@@ -278,6 +399,31 @@ def served_model(url: str, api_key: str | None = None) -> str:
 
 
 # %% ../../nbs/11_benchmarks.ipynb #04a144da
+def measure_server(
+    url: str,
+    wl: Workload,
+    rates: list[float],  # requests/s of each run; inf: a burst
+    seed: int = 0,
+    slo_ttft_ms: float = 1000.0,
+    slo_tpot_ms: float = 200.0,
+    model: str | None = None,  # None: the first of /v1/models
+    api_key: str | None = None,
+    max_concurrency: int | None = None,
+    log=print,
+) -> tuple[str, list[dict]]:
+    "A warm-up, then the workload at each rate: the model name sent and each run's metrics."
+    name = model or served_model(url, api_key)
+    warm = Workload(wl.prompts[:2], [2] * len(wl.prompts[:2]))
+    run_load(url, name, warm, float("inf"), seed, api_key)
+    runs = []
+    for rate in rates:
+        log(f"{'burst' if math.isinf(rate) else f'rate {rate:g} req/s'}: {len(wl)} requests ...")
+        recs, dur = run_load(url, name, wl, rate, seed, api_key, max_concurrency=max_concurrency)
+        rate = "burst" if math.isinf(rate) else rate
+        runs.append({"rate": rate, **serve_metrics(recs, dur, slo_ttft_ms, slo_tpot_ms)})
+    return name, runs
+
+
 def serve_bench(
     url: str | None,
     wl: Workload,
@@ -290,26 +436,20 @@ def serve_bench(
     model: str | None = None,
     api_key: str | None = None,
     log=print,
+    max_concurrency: int | None = None,
+    port: int | None = None,  # of the server started here (no `url`); None: a free one
+    env: dict | None = None,  # its environment, beside this process's
+    startup_timeout: float = 120,
 ) -> dict:
     "Poisson load at each rate (and a burst); per rate latency percentiles, throughput, goodput."
     rates = [float(r) for r in rates] + ([float("inf")] if burst else [])
     if not rates:
         raise ValueError("rates: give at least one request rate, or burst")
-    runs = []
-    with serving(url, serve_args, log=log) as base:
-        name = model or served_model(base, api_key)
-        run_load(
-            base, name, Workload(wl.prompts[:2], [2, 2]), float("inf"), seed, api_key
-        )  # warm-up
-        for rate in rates:
-            log(f"rate {rate:g} req/s: {len(wl)} requests ...")
-            recs, dur = run_load(base, name, wl, rate, seed, api_key)
-            runs.append(
-                {
-                    "rate": "burst" if math.isinf(rate) else rate,
-                    **serve_metrics(recs, dur, slo_ttft_ms, slo_tpot_ms),
-                }
-            )
+    with serving(url, serve_args, startup_timeout, log, port, env) as base:
+        slo = (slo_ttft_ms, slo_tpot_ms)
+        name, runs = measure_server(
+            base, wl, rates, seed, *slo, model, api_key, max_concurrency, log
+        )
     return {
         "benchmark": "serve",
         "machine": machine_info("cpu"),

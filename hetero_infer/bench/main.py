@@ -26,7 +26,10 @@ import torch
 from .workload import Workload, fit_workload, random_workload
 from .peers import format_offline, offline_bench
 from .vllm import check_vllm_python
-from .load import format_serve, plot_rate_sweep, serve_bench
+from .load import format_serve, ours_server, plot_rate_sweep, serve_bench
+from .served import check_vllm_server, format_served, served_comparison
+from .served import vllm_server
+from .threads import cpu_threads
 from .args import add_bench_arguments
 from ..cli.config import usage_error
 from ..cli.flags import BENCH_FLAGS, ENGINE_FLAGS, register_command
@@ -190,39 +193,82 @@ def _cmd_offline(args) -> int:
 
 
 # %% ../../nbs/11_benchmarks.ipynb #d27f1169
+def _serve_settings(args, device: str) -> tuple[list[str], dict]:
+    "Engine flags and environment of every server started here: --dtype, --max-num-seqs, --threads."
+    peers = args.peers == "vllm"
+    dtype = args.dtype or (("float32" if device == "cpu" else "bfloat16") if peers else None)
+    mns = args.max_num_seqs or (256 if peers else None)
+    for flag, v in (("--max-num-seqs", mns), ("--threads", args.threads)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    flags = (["--dtype", dtype] if dtype else []) + (["--max-num-seqs", str(mns)] if mns else [])
+    return flags, ({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})
+
+
+def _check_url(args, features) -> None:
+    "A server given by --url runs as it was started: flags that would start one are refused."
+    if not args.url:
+        return
+    given = [ENGINE_FLAGS[k][0][0] for k in features or {}]
+    given += [
+        f
+        for f in ("--peers", "--dtype", "--max-num-seqs", "--threads", "--port")
+        if getattr(args, f[2:].replace("-", "_"))
+    ]
+    if given:
+        raise ValueError(
+            f"{given[0]}: a server given by --url runs as it was started; pass it to that "
+            "server, or leave out --url to start the servers here"
+        )
+
+
 def _cmd_serve(args) -> int:
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if any(not r > 0 for r in rates):
         raise ValueError(f"--rates must be positive request rates, got {args.rates!r}")
+    if args.vllm_python and not args.peers:
+        args.peers = "vllm"
+    if args.peers and args.plot:
+        raise ValueError("--plot: the rate-sweep plot is of one server; leave out --peers")
+    features = feature_config(args)
+    _check_url(args, features)
+    vllm_python = check_vllm_server(args.vllm_python) if args.peers else None
     check_output(args.output, "--output")
     check_output(args.plot, "--plot")
-    features = feature_config(args)
-    if features and args.url:
-        raise ValueError(
-            f"{ENGINE_FLAGS[next(iter(features))][0][0]}: a server given by --url runs as it was "
-            "started; pass it to that server's serve"
-        )
+    device = "cpu" if not torch.cuda.is_available() else "cuda"
+    flags, env = _serve_settings(args, device)
     model, _ = _resolve_model(args)
-    wl, note = _workload_for(args, model, "cpu" if not torch.cuda.is_available() else "cuda")
+    wl, note = _workload_for(args, model, device)
     if note:
         print(note)
-    serve_args = (["--model", model] if not args.url else []) + shlex.split(args.serve_args)
-    serve_args += feature_argv(features)
-    res = serve_bench(
-        args.url,
-        wl,
-        rates,
-        not args.no_burst,
-        args.seed,
-        args.slo_ttft_ms,
-        args.slo_tpot_ms,
-        serve_args,
-        args.served_model_name,
-        args.api_key,
-    )
+    serve_args = flags + shlex.split(args.serve_args) + feature_argv(features)
+    if vllm_python:
+        res = _serve_peers(args, vllm_python, model, wl, rates, serve_args, flags, env)
+    else:
+        serve_args = (["--model", model] if not args.url else []) + serve_args
+        slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+        res = serve_bench(
+            args.url,
+            wl,
+            rates,
+            not args.no_burst,
+            args.seed,
+            *slo,
+            serve_args,
+            args.served_model_name,
+            args.api_key,
+            max_concurrency=args.max_concurrency,
+            port=args.port,
+            env=env,
+            startup_timeout=args.startup_timeout,
+        )
     res["command"], res["note"] = _command_line(args), note
     print()
-    print(format_serve(res))
+    print(format_served(res) if vllm_python else format_serve(res))
     _write_json(res, args.output)
     if args.plot:
         _save_plot(res, args.plot)
@@ -239,6 +285,26 @@ def _save_plot(res: dict, path: str) -> None:
     fig.savefig(path)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+# %% ../../nbs/11_benchmarks.ipynb #a5e1c0dc
+def _serve_peers(args, python, model, wl, rates, serve_args, flags, env) -> dict:
+    "Ours, then vLLM's OpenAI server: the same checkpoint, engine flags, threads and load."
+    rates = rates + ([float("inf")] if not args.no_burst else [])
+    if not rates:
+        raise ValueError("--rates: give at least one request rate, or leave out --no-burst")
+    vllm_args = shlex.split(args.vllm_args)
+    specs = [
+        ours_server(["--model", model, *serve_args], args.port, env),
+        vllm_server(python, model, flags, vllm_args, args.port, args.threads),
+    ]
+    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+    chosen = cpu_threads()  # what ours' runner picks when it starts, unless --threads is given
+    timeout = args.startup_timeout
+    res = served_comparison(specs, wl, rates, args.seed, args.max_concurrency, timeout, slo)
+    ours = res["servers"]["ours"]
+    ours["threads"] = ours["threads"] or f"{chosen} (the cores the load average left idle)"
+    return res
 
 
 # %% ../../nbs/11_benchmarks.ipynb #a263539c
