@@ -15,8 +15,8 @@ from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM
 from hetero_infer.model.runner import CPU_KV_CACHE_BYTES
 from hetero_infer.mla.model import deepseek_config  # importing it registers the DeepSeek family
-from hetero_infer.mla.testing import tiny_deepseek_checkpoint
-from hetero_infer.testing import tiny_hf_checkpoint
+from hetero_infer.mla.testing import DEEPSEEK_V2_LITE, tiny_deepseek_checkpoint
+from hetero_infer.testing import DUMMY_CONFIGS, dummy_checkpoint, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 from test_speculative import looping_prompts
 
@@ -113,6 +113,29 @@ def test_tensor_parallel_2(v3):
     path, hf = v3
     ps = prompts((3, 17, 60, 9))
     assert _run(path, ps, tensor_parallel_size=2) == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
+
+
+def test_v2_lites_yarn_equals_transformers(tmp_path):
+    "V2-Lite's rope (YaRN, factor 40, mscale = mscale_all_dim = 0.707) on the tiny V2."
+    rope = dict(DEEPSEEK_V2_LITE["rope_scaling"])
+    hf = tiny_deepseek_checkpoint(tmp_path, "v2", rope_scaling=rope, **SPREAD)
+    assert hf.config.rope_parameters["mscale_all_dim"] == 0.707
+    ps = prompts((3, 40), seed=13)
+    assert _run(tmp_path, ps) == [hf_greedy(hf, p, N_NEW)[0] for p in ps]
+
+
+def test_v2_lite_is_a_benchmark_shape(tmp_path):
+    "Registered among chapter 04b's dummy configs; its config at a tiny width loads and generates."
+    assert DUMMY_CONFIGS["deepseek-v2-lite"] is DEEPSEEK_V2_LITE
+    assert deepseek_config(DEEPSEEK_V2_LITE).num_layers == 27
+    small = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=256,
+    )  # fmt: skip
+    path = dummy_checkpoint({**DEEPSEEK_V2_LITE, **small}, tmp_path, dtype="float32")
+    (out,) = _run(path, prompts((7,), seed=14))
+    assert len(out) == N_NEW
 
 
 def test_blocks_at_the_latents_size(tmp_path):

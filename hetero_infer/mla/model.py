@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 from ..attention.triton.targets import register_kernel_specs
 from ..core.config import register_config_check
-from ..model.layers import ModelConfig, register_attention, register_mlp, register_rope
+from ..model.layers import ModelConfig, register_mlp
 from ..model.loading import no_windows, register_architecture, register_load_hook
-from ..model.runner import register_cache_layout
 from ..parallel.shards import register_sharder
 from ..moe.model import EXPERT_ARCHITECTURES
 from ..testing import DUMMY_CONFIGS
@@ -23,10 +22,8 @@ from .testing import DEEPSEEK_V2_LITE
 
 # %% auto #0
 __all__ = [
+    "LatentAttention",
     "deepseek_config",
-    "mla_attention",
-    "deepseek_rope",
-    "latent_layout",
     "deepseek_moe_block",
     "skip_mtp_layers",
     "check_mla_fields",
@@ -34,6 +31,25 @@ __all__ = [
 
 
 # %% ../../nbs/18_multi_head_latent_attention.ipynb #c65c3ade
+class LatentAttention:
+    "Multi-head latent attention as chapter 05's decoder takes another attention."
+
+    @staticmethod
+    def block(c: ModelConfig, layer: int, window) -> MLAttention:
+        "Every layer attends with MLA over this rank's `c.num_heads` heads."
+        return MLAttention(MLAConfig.from_hf(c.hf_config), c.num_heads)
+
+    @staticmethod
+    def rope(c: ModelConfig) -> tuple:  # (inv_freq (dr/2,), factor)
+        "The rope over `qk_rope_head_dim` channels (YaRN when configured) and its cos/sin factor."
+        return mla_rope(MLAConfig.from_hf(c.hf_config))
+
+    @staticmethod
+    def cache_shapes(c: ModelConfig) -> list[tuple]:
+        "A layer caches one `(1, r + dr)` latent a token."
+        return latent_cache_shapes(MLAConfig.from_hf(c.hf_config))
+
+
 def deepseek_config(d: dict) -> ModelConfig:
     "A DeepSeek config.json as the decoder's `ModelConfig`; its MLA and MoE fields checked."
     m = MLAConfig.from_hf(d)
@@ -56,38 +72,13 @@ def deepseek_config(d: dict) -> ModelConfig:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
         hf_config=d,
+        attention=LatentAttention,
     )
 
 
 for _arch in DEEPSEEK_ARCHITECTURES:
     register_architecture(_arch, "DeepSeek", no_windows, deepseek_config)
 EXPERT_ARCHITECTURES.update(DEEPSEEK_ARCHITECTURES)  # enable_expert_parallel takes them
-
-
-def _mla(c: ModelConfig) -> MLAConfig | None:
-    "The MLA shape of a DeepSeek model's config; None for any other family."
-    return MLAConfig.from_hf(c.hf_config) if c.architecture in DEEPSEEK_ARCHITECTURES else None
-
-
-@register_attention
-def mla_attention(c: ModelConfig, layer: int, window) -> MLAttention | None:
-    "Every layer of a DeepSeek model attends with MLA over this rank's `c.num_heads` heads."
-    m = _mla(c)
-    return None if m is None else MLAttention(m, c.num_heads)
-
-
-@register_rope
-def deepseek_rope(c: ModelConfig):
-    "The rope over `qk_rope_head_dim` channels (YaRN when configured) and its cos/sin factor."
-    m = _mla(c)
-    return None if m is None else mla_rope(m)
-
-
-@register_cache_layout
-def latent_layout(c: ModelConfig) -> list[tuple] | None:
-    "A DeepSeek layer caches one `(1, r + dr)` latent a token."
-    m = _mla(c)
-    return None if m is None else latent_cache_shapes(m)
 
 
 @register_mlp

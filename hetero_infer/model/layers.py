@@ -3,9 +3,7 @@
 # %% auto #0
 __all__ = [
     "ACTIVATIONS",
-    "ROPE_BUILDERS",
     "MLP_FACTORIES",
-    "ATTENTION_FACTORIES",
     "PACK_MIN_WEIGHTS",
     "PACKED_LINEARS",
     "ModelConfig",
@@ -14,14 +12,10 @@ __all__ = [
     "rotate_half",
     "apply_rope",
     "rope_inv_freq",
-    "register_rope",
-    "model_rope",
     "MLP",
     "register_mlp",
     "make_mlp",
     "Attention",
-    "register_attention",
-    "make_attention",
     "DecoderLayer",
     "LlamaModel",
     "PackedLinear",
@@ -79,6 +73,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in
     hf_config: dict = field(default_factory=dict, repr=False)  # the whole config.json, as read
+    attention: object = None  # a later chapter's attention (see the decoder); None: `Attention`
 
 
 # %% ../../nbs/05_model.ipynb #cfdf68e1
@@ -140,24 +135,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         0, 1
     )  # 0 for wavelen >= old/lo (slowed), 1 for wavelen <= old/hi (kept)
     return (1 - smooth) * inv / factor + smooth * inv
-
-
-# %% ../../nbs/05_model.ipynb #af677f43
-ROPE_BUILDERS: dict = {}  # later chapters' ropes by name, asked in order
-
-
-def register_rope(builder):
-    "Let `builder(c)` give a model's rope: (inv_freq (D/2,), attention factor), or None to pass."
-    ROPE_BUILDERS[builder.__name__] = builder  # registered again: replaced
-    return builder
-
-
-def model_rope(c: ModelConfig) -> tuple[torch.Tensor, float]:
-    "The speeds of the channel pairs RoPE turns and the factor on cos/sin: a builder's, or plain."
-    for builder in ROPE_BUILDERS.values():
-        if (rope := builder(c)) is not None:
-            return rope
-    return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), 1.0
 
 
 # %% ../../nbs/05_model.ipynb #303cc299
@@ -228,24 +205,6 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
 
-# %% ../../nbs/05_model.ipynb #f10abf92
-ATTENTION_FACTORIES: dict = {}  # later chapters' attention blocks by name, tried in order
-
-
-def register_attention(factory):
-    "Let `factory(c, layer, window)` build a layer's attention block, or return None to pass."
-    ATTENTION_FACTORIES[factory.__name__] = factory  # registered again: replaced
-    return factory
-
-
-def make_attention(c: ModelConfig, layer: int, window: int | None) -> nn.Module:
-    "Layer `layer`'s attention block: the first registered factory's, else `Attention`."
-    for factory in ATTENTION_FACTORIES.values():
-        if (block := factory(c, layer, window)) is not None:
-            return block
-    return Attention(c, window)
-
-
 # %% ../../nbs/05_model.ipynb #fdfb414c
 class DecoderLayer(nn.Module):
     "Pre-norm residual block: h = x + attn(norm(x)); h + mlp(norm(h))."
@@ -254,7 +213,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         window = c.layer_windows[layer] if c.layer_windows else None
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = make_attention(c, layer, window)
+        attn = c.attention  # None: `Attention`; else a later chapter's (see below)
+        self.self_attn = attn.block(c, layer, window) if attn else Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = make_mlp(c, layer)  # (T, hidden) -> (T, hidden)
 
@@ -275,7 +235,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq, self.rope_factor = model_rope(c)  # (D/2,) float32, and the factor on cos/sin
+        rope = c.attention.rope(c) if c.attention else None  # a later chapter's: speeds, factor
+        inv_freq = rope[0] if rope else rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.rope_factor = rope[1] if rope else 1.0  # scales cos and sin
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.backend = get_attention_backend("torch")  # load_model and the runner pick another
 

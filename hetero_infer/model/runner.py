@@ -5,9 +5,7 @@
 # %% auto #0
 __all__ = [
     "CPU_KV_CACHE_BYTES",
-    "CACHE_LAYOUTS",
     "RUNNER_SETUPS",
-    "register_cache_layout",
     "cache_shapes",
     "kv_block_bytes",
     "activation_bytes",
@@ -23,7 +21,6 @@ __all__ = [
 # %% ../../nbs/05_model.ipynb #c86b5fe9
 import json
 import logging
-import math
 from pathlib import Path
 import torch
 from ..attention.backend import AttentionMetadata
@@ -36,26 +33,14 @@ CPU_KV_CACHE_BYTES = 512 * 2**20  # KV-cache budget on CPU
 _log = logging.getLogger("hetero_infer.model.runner")  # what the runner set up, at start
 
 
-CACHE_LAYOUTS: dict = {}  # later chapters' cache layouts by name, asked in order
-
-
-def register_cache_layout(layout):
-    "Let `layout(c)` give the per-token shape of each of a layer's cache tensors, or None to pass."
-    CACHE_LAYOUTS[layout.__name__] = layout  # registered again: replaced
-    return layout
-
-
 def cache_shapes(c: ModelConfig) -> list[tuple]:
-    "Per token and layer, the shape of each cache tensor: K and V `(Hkv, D)`, or a layout's."
-    for layout in CACHE_LAYOUTS.values():
-        if (shapes := layout(c)) is not None:
-            return shapes
-    return [(c.num_kv_heads, c.head_dim)] * 2
+    "Per token and layer, the shape of each cache tensor: K and V `(Hkv, D)`, or its attention's."
+    return c.attention.cache_shapes(c) if c.attention else [(c.num_kv_heads, c.head_dim)] * 2
 
 
 def kv_block_bytes(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     "Bytes one KV block takes over all layers, every cache tensor (K and V)."
-    per_token = sum(math.prod(shape) for shape in cache_shapes(c))
+    per_token = sum(a * b for a, b in cache_shapes(c))  # (Hkv, D) each
     return c.num_layers * block_size * per_token * dtype.itemsize
 
 
@@ -209,9 +194,8 @@ class ModelRunner:
     def allocate_cache(self, num_blocks: int) -> None:
         "Zeroed cache tensors of `num_blocks` blocks in each layer: K and V, [NB, bs, Hkv, D] each."
         c = self.model.config
-        zeros = lambda s: torch.zeros(
-            (num_blocks, self.block_size, *s), dtype=self.cache_dtype, device=self.device
-        )
+        dt, dev = self.cache_dtype, self.device
+        zeros = lambda s: torch.zeros(num_blocks, self.block_size, *s, dtype=dt, device=dev)
         self.kv_caches = [tuple(map(zeros, cache_shapes(c))) for _ in range(c.num_layers)]
         self.num_blocks = num_blocks
 
