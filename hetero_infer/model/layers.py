@@ -73,6 +73,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in
     hf_config: dict = field(default_factory=dict, repr=False)  # the whole config.json, as read
+    attention: object = None  # a later chapter's attention (see the decoder); None: `Attention`
 
 
 # %% ../../nbs/05_model.ipynb #cfdf68e1
@@ -92,12 +93,13 @@ class RMSNorm(nn.Module):
 # %% ../../nbs/05_model.ipynb #965f6843
 def rope_cos_sin(
     positions,  # (T,) position of each token
-    inv_freq,
-):  # (D/2,) radians per position of each channel pair
+    inv_freq,  # (D/2,) radians per position of each channel pair
+    factor: float = 1.0,  # scales cos and sin (a rope's attention factor; 1.0 for most)
+):
     "cos and sin of every token's angles, (T, D) each, the D/2 angles repeated (rotate-half)."
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-    return emb.cos(), emb.sin()
+    return emb.cos() * factor, emb.sin() * factor
 
 
 def rotate_half(x):  # (..., D)
@@ -211,7 +213,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         window = c.layer_windows[layer] if c.layer_windows else None
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, window)
+        attn = c.attention  # None: `Attention`; else a later chapter's (see below)
+        self.self_attn = attn.block(c, layer, window) if attn else Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = make_mlp(c, layer)  # (T, hidden) -> (T, hidden)
 
@@ -232,16 +235,17 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False
-        )
+        rope = c.attention.rope(c) if c.attention else None  # a later chapter's: speeds, factor
+        inv_freq = rope[0] if rope else rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.rope_factor = rope[1] if rope else 1.0  # scales cos and sin
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.backend = get_attention_backend("torch")  # load_model and the runner pick another
 
     def forward(
         self, input_ids, positions, kv_caches, meta
     ):  # (T,), (T,), [(k_cache, v_cache)] * layers -> (T, hidden)
         "Final-normed hidden states of the flat batch; writes this step's K/V into the caches."
-        cos, sin = rope_cos_sin(positions, self.inv_freq)  # (T, D) each, shared by all layers
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_factor)  # (T, D), every layer
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta, self.backend)

@@ -46,14 +46,17 @@ class Architecture:
 
     family: str  # the dense family whose attention it has: Llama, Mistral, Qwen2 or Qwen3
     windows: Callable[[dict], list]  # config dict -> each layer's sliding window (None: full)
+    parse: Callable | None = None  # config dict -> ModelConfig, for a family read its own way
 
 
 ARCHITECTURES: dict[str, Architecture] = {}  # a config's `architectures[0]` -> what it is
 
 
-def register_architecture(name: str, family: str, windows: Callable[[dict], list]) -> None:
-    "Let the loader read checkpoints of class `name`, whose attention is `family`'s."
-    ARCHITECTURES[name] = Architecture(family, windows)
+def register_architecture(
+    name: str, family: str, windows: Callable[[dict], list], parse: Callable | None = None
+) -> None:
+    "Let the loader read checkpoints of class `name`, whose attention is `family`'s (or `parse`'s)."
+    ARCHITECTURES[name] = Architecture(family, windows, parse)
 
 
 def _refuse(ok: bool, field: str, msg: str):
@@ -129,6 +132,8 @@ def parse_config(d: dict) -> layers.ModelConfig:
             f"supported: {', '.join(ARCHITECTURES)}"
         )
     _check_fields(d)
+    if ARCHITECTURES[arch].parse is not None:  # a family whose fields it reads itself
+        return ARCHITECTURES[arch].parse(d)
     family, nh = ARCHITECTURES[arch].family, d["num_attention_heads"]
     bias = bool(d.get("attention_bias", False)) and family != "Mistral"  # Mistral: never
     qwen3_default = 128 if arch == "Qwen3ForCausalLM" else None  # its config class's head_dim

@@ -6,6 +6,7 @@
 __all__ = [
     "CPU_KV_CACHE_BYTES",
     "RUNNER_SETUPS",
+    "cache_shapes",
     "kv_block_bytes",
     "activation_bytes",
     "cpu_num_blocks",
@@ -32,9 +33,15 @@ CPU_KV_CACHE_BYTES = 512 * 2**20  # KV-cache budget on CPU
 _log = logging.getLogger("hetero_infer.model.runner")  # what the runner set up, at start
 
 
+def cache_shapes(c: ModelConfig) -> list[tuple]:
+    "Per token and layer, the shape of each cache tensor: K and V `(Hkv, D)`, or its attention's."
+    return c.attention.cache_shapes(c) if c.attention else [(c.num_kv_heads, c.head_dim)] * 2
+
+
 def kv_block_bytes(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    "Bytes one KV block takes over all layers, K and V."
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
+    "Bytes one KV block takes over all layers, every cache tensor (K and V)."
+    per_token = sum(a * b for a, b in cache_shapes(c))  # (Hkv, D) each
+    return c.num_layers * block_size * per_token * dtype.itemsize
 
 
 def activation_bytes(model: LlamaModel, config, dtype: torch.dtype) -> int:
@@ -185,20 +192,21 @@ class ModelRunner:
         return gpu_num_blocks(per, self.device, cfg.gpu_memory_utilization, reserved)
 
     def allocate_cache(self, num_blocks: int) -> None:
-        "A zeroed K and V cache of `num_blocks` blocks in every layer, [NB, bs, Hkv, D] each."
+        "Zeroed cache tensors of `num_blocks` blocks in each layer: K and V, [NB, bs, Hkv, D] each."
         c = self.model.config
-        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        zeros = lambda: torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-        self.kv_caches = [(zeros(), zeros()) for _ in range(c.num_layers)]
+        dt, dev = self.cache_dtype, self.device
+        zeros = lambda s: torch.zeros(num_blocks, self.block_size, *s, dtype=dt, device=dev)
+        self.kv_caches = [tuple(map(zeros, cache_shapes(c))) for _ in range(c.num_layers)]
         self.num_blocks = num_blocks
 
     def copy_blocks(self, copies):  # [(src_block, dst_block)]
-        "Copy each src block to its dst block in every layer's K and V cache."
+        "Copy each src block to its dst block in every cache tensor of every layer."
         if not copies:
             return
         src, dst = (torch.tensor(x, device=self.device) for x in zip(*copies))
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst], v_cache[dst] = k_cache[src], v_cache[src]
+        for caches in self.kv_caches:
+            for cache in caches:
+                cache[dst] = cache[src]
 
     def prepare(self, sched_out) -> tuple:
         "This step's input_ids, positions, AttentionMetadata and sampled rows, on the device."

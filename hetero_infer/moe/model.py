@@ -17,6 +17,7 @@ from .layer import MoEBlock, MoEConfig, is_moe_layer
 # %% auto #0
 __all__ = [
     "MOE_ARCHITECTURES",
+    "EXPERT_ARCHITECTURES",
     "FUSED_MOE_POINTERS",
     "mixtral_windows",
     "qwen3_moe_windows",
@@ -83,13 +84,17 @@ def _architecture(config) -> str | None:
     return (json.loads(f.read_text()).get("architectures") or [None])[0]
 
 
+EXPERT_ARCHITECTURES = set(MOE_ARCHITECTURES)  # every class with expert layers: a later
+# chapter whose family has its own (its own router and config) adds its classes here
+
+
 @register_config_check
 def check_moe_fields(config) -> None:
     "enable_expert_parallel needs a MoE checkpoint; quantization does not take one yet."
     ep, arch = config.enable_expert_parallel, _architecture(config)
     if not isinstance(ep, bool):
         raise ValueError(f"enable_expert_parallel must be a bool, got {ep!r}")
-    if ep and config.model is not None and arch not in MOE_ARCHITECTURES:
+    if ep and config.model is not None and arch not in EXPERT_ARCHITECTURES:
         raise ValueError(
             f"enable_expert_parallel=True but this {arch} has no mixture-of-experts layers; "
             "leave enable_expert_parallel False"
