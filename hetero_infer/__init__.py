@@ -27,6 +27,7 @@ import hetero_infer.quant.plugin  # noqa: E402, F401
 import hetero_infer.moe.model  # noqa: E402, F401
 import hetero_infer.moe.parallel  # noqa: E402, F401
 import hetero_infer.kv_offload.plugin  # noqa: E402, F401
+import hetero_infer.mla.model  # noqa: E402, F401
 import hetero_infer.disagg.connector  # noqa: E402, F401
 import hetero_infer.disagg.openai  # noqa: E402, F401
 import hetero_infer.disagg.cli  # noqa: E402, F401

@@ -154,53 +154,14 @@ class AttentionBackend:
         "Write this step's K/V, then attend: the first `num_decodes` rows decode, the rest prefill."
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd, S = meta.num_decodes, meta.num_seqs
-        if nd == S:
-            return self.decode(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                scale,
-                meta.max_seq_len,
-                window,
-            )
-        if nd == 0:
-            return self.prefill(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
-                scale,
-                meta.max_query_len,
-                meta.max_seq_len,
-                window,
-            )
-        out = torch.empty_like(q)
-        out[:nd] = self.decode(
-            q[:nd],
-            k_cache,
-            v_cache,
-            meta.block_tables[:nd],
-            meta.seq_lens[:nd],
-            scale,
-            meta.max_seq_len,
-            window,
-        )
-        out[nd:] = self.prefill(
-            q[nd:],
-            k_cache,
-            v_cache,
-            meta.block_tables[nd:],
-            meta.query_start_loc[nd:] - nd,
-            meta.seq_lens[nd:],
-            scale,
-            meta.max_query_len,
-            meta.max_seq_len,
-            window,
-        )
+        out, lims = torch.empty_like(q), (meta.max_query_len, meta.max_seq_len, window)
+        if nd:  # decode rows: one query each
+            tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, tables, lens, scale, *lims[1:])
+        if nd < S:  # prefill rows: their query runs start after the decodes'
+            tables, lens = meta.block_tables[nd:], meta.seq_lens[nd:]
+            starts = meta.query_start_loc[nd:] - nd
+            out[nd:] = self.prefill(q[nd:], k_cache, v_cache, tables, starts, lens, scale, *lims)
         return out
 
     def __repr__(self):
