@@ -88,7 +88,7 @@ nbtest:
 	$(TEST_ENV) OMP_NUM_THREADS=$(NB_THREADS) MKL_NUM_THREADS=$(NB_THREADS) $(BIN)/nbdev_test --n_workers $(NBDEV_WORKERS) --timing
 
 pytest:
-	$(TEST_ENV) $(PY) -m pytest tests -q
+	$(TEST_ENV) $(PY) -m pytest tests -q --durations=15
 
 test: setup check-sync check-clean check-readme lint nbtest pytest
 
