@@ -107,7 +107,7 @@ def _overlapping_branches(branches: list, root: dict) -> tuple[int, int] | None:
 UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
     ["uniqueItems", "dependentRequired", "dependentSchemas", "unevaluatedProperties"]
     + ["unevaluatedItems", "not", "if", "then", "else", "$dynamicRef", "$dynamicAnchor"]
-    + ["contains", "minContains", "maxContains", "patternProperties"]
+    + ["contains", "minContains", "maxContains", "patternProperties", "multipleOf"]
 )  # keywords the mask cannot guarantee: refused, never silently dropped
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "contains", "propertyNames")
@@ -119,8 +119,6 @@ def _unenforced(schema: dict, root: dict) -> list[str]:
     found = [k for k in schema if k in UNSUPPORTED_SCHEMA_KEYWORDS]
     if ("minLength" in schema or "maxLength" in schema) and {"pattern", "format"} & schema.keys():
         found.append("minLength or maxLength beside pattern or format")  # xgrammar drops them
-    if "multipleOf" in schema and schema.get("type") != "integer":
-        found.append("multipleOf (enforced on integers only)")
     if len(schema.get("allOf") or []) > 1:
         found.append("allOf (with more than one subschema)")
     pair = _overlapping_branches(schema.get("oneOf") or [], root)
@@ -177,15 +175,20 @@ def declared_required(schema: Any) -> Any:
 
 
 _LENGTH_CHARS = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)  # xgrammar's rule
+_STRING_CHARS = r"[^\0-\x1f\"\\\r\n]"  # the class of xgrammar's unbounded strings
+_NO_SURROGATES = r"\uD800-\uDFFF"  # UTF-16 halves: not characters, and not valid UTF-8
 
 
-def json_schema_grammar(schema: dict) -> str:
-    "xgrammar's EBNF grammar of `schema`, its length-bounded strings held to JSON's characters."
+def json_schema_grammar(schema: dict, strict_mode: bool = True) -> str:
+    """xgrammar's EBNF grammar of `schema`, its strings held to JSON's characters: no control
+    character in a length-bounded one, no UTF-16 surrogate half in any (invalid UTF-8)."""
     import xgrammar as xgr
 
     text = json.dumps(declared_required(schema))
-    ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False))
-    return _LENGTH_CHARS.sub(lambda m: m[1] + ' ::= (([^\\"\\\\\\0-\\x1f]))', ebnf)
+    ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict_mode))
+    bounded = '(([^\\"\\\\\\0-\\x1f' + _NO_SURROGATES + "]))"
+    ebnf = _LENGTH_CHARS.sub(lambda m: f"{m[1]} ::= {bounded}", ebnf)
+    return ebnf.replace(_STRING_CHARS, _STRING_CHARS[:-1] + _NO_SURROGATES + "]")
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #e1a033b8
@@ -355,9 +358,7 @@ def compile_grammar(compiler, params: StructuredOutputsParams):
     if kind == "json":
         return compiler.compile_grammar(json_schema_grammar(spec))
     if kind == "json_object":
-        return compiler.compile_json_schema(
-            '{"type": "object"}', any_whitespace=False, strict_mode=False
-        )
+        return compiler.compile_grammar(json_schema_grammar({"type": "object"}, strict_mode=False))
     if kind == "regex":
         return compiler.compile_regex(spec)
     return compiler.compile_grammar(spec if kind == "grammar" else choice_grammar(spec))
