@@ -339,3 +339,34 @@ def test_speculation_on_the_demo_model(method):
     finally:
         plain.close()
         spec.close()
+
+
+def test_a_dead_end_fails_the_request_saying_so(engine):
+    """A pattern that matches nothing, inside a schema: the check at build time sees the object
+    can start; then the mask allows no token, and the request ends with an error saying so."""
+    dead = {"type": "string", "pattern": "[^\\s\\S]"}
+    schema = {"type": "object", "properties": {"s": dead}, "required": ["s"]}
+    outs = run(engine, {"dead": ([BOS, 18], sampled(StructuredOutputsParams(json=schema)))})
+    out = outs["dead"]
+    assert out.outputs[0].finish_reason == "error", out
+    assert "the constraint allows no output" in out.error
+    ok = run(engine, {"ok": ([BOS, 19], sampled(StructuredOutputsParams(choice=["a"])))})
+    assert ok["ok"].outputs[0].text == "a"
+
+
+def test_a_grammar_past_the_compile_limit_fails_its_request_alone(engine):
+    plugin = next(p for p in engine.plugins if isinstance(p, StructuredOutputsPlugin))
+    plugin.held.timeout = 0.0
+    slow = {"type": "object", "properties": {f"q{i}": {"type": "integer"} for i in range(41)}}
+    reqs = {
+        "slow": ([BOS, 20], sampled(StructuredOutputsParams(json=slow))),
+        "plain": ([BOS, 21], SamplingParams(max_tokens=3, ignore_eos=True)),
+    }
+    try:
+        outs = run(engine, reqs)
+    finally:
+        plugin.held.timeout = 60.0
+    assert outs["slow"].outputs[0].finish_reason == "error"
+    assert "json: the grammar did not compile within 0 s" in outs["slow"].error
+    assert outs["plain"].outputs[0].finish_reason == "length"
+    assert engine.stats["structured_outputs"]["held"] == 0

@@ -475,3 +475,155 @@ def test_serve_tool_call_parser_flag():
     assert "tool_call_parser" not in serve_options(build_parser().parse_args(["serve"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+
+
+# ---------------------------------------------------------------- what the mask must enforce
+
+
+def test_required_names_are_declared_and_enforced(mgr, tok):
+    "A required property that `properties` does not declare is still produced (any value)."
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a", "z"]}
+    flag = {"type": "boolean"}
+    extra = {"type": "object", "required": ["n"], "additionalProperties": flag, "maxProperties": 1}
+    reqs = {f"r{i}": StructuredOutputsParams(json=[schema, extra][i % 2]) for i in range(6)}
+    for k, text in run_random(mgr, tok, reqs, seed=3).items():
+        jsonschema.validate(json.loads(text), [schema, extra][int(k[1:]) % 2])
+
+
+def test_tagged_oneof_is_enforced_and_overlapping_refused(mgr, tok):
+    pet = lambda kind, **p: {
+        "type": "object",
+        "properties": {"kind": {"const": kind}, **p},
+        "required": ["kind"],
+    }
+    schema = {"oneOf": [pet("cat", lives={"type": "integer", "minimum": 0, "maximum": 9}),
+                        pet("dog")]}  # fmt: skip
+    reqs = {f"o{i}": StructuredOutputsParams(json=schema) for i in range(8)}
+    for text in run_random(mgr, tok, reqs, seed=4).values():
+        jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(ValueError, match="oneOf"):
+        StructuredOutputsParams(json={"oneOf": [pet("cat"), {"type": "object"}]})
+
+
+def test_a_long_bounded_string_builds_and_compiles_fast(mgr):
+    """maxLength 5000 goes through xgrammar's repetition, not a 5000-long regex: the check and
+    the 128k-vocabulary compile take well under a second (a regex rewrite took seconds)."""
+    import time
+
+    schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 5000}
+                                              for k in "abc"}}  # fmt: skip
+    t = time.perf_counter()
+    p = StructuredOutputsParams(json=schema)
+    mgr.submit("long", p)
+    mgr.matcher("long")
+    assert time.perf_counter() - t < 2.0
+    mgr.drop("long")
+
+
+def decoded_vocab(tok) -> list[bytes]:
+    "Each token's bytes, as xgrammar sees them."
+    return xgr.TokenizerInfo.from_huggingface(tok).decoded_vocab
+
+
+def test_strings_admit_only_valid_utf8(mgr, tok):
+    """Overlong (E0 84 84) and surrogate (ED A0 80) byte sequences are refused inside bounded and
+    unbounded strings; random bounded strings decode as strict UTF-8."""
+    vocab = decoded_vocab(tok)
+    bt = {}
+    for t, b in enumerate(vocab):
+        if len(b) == 1:
+            bt.setdefault(b[0], t)  # the single-byte tokens
+    for schema in ({"type": "string", "maxLength": 4}, {"type": "string"}):
+        for seq in ([0xE0, 0x84, 0x84], [0xED, 0xA0, 0x80]):
+            mgr.submit("u", StructuredOutputsParams(json=schema))
+            assert mgr.matcher("u").accept_string('"')
+            assert not all(mgr.accept("u", bt[b]) for b in seq), (schema, seq)
+            mgr.drop("u")
+    reqs = {f"u{i}": StructuredOutputsParams(json={"type": "string", "maxLength": 4})
+            for i in range(16)}  # fmt: skip
+    for k in reqs:
+        mgr.submit(k, reqs[k])
+    g = torch.Generator().manual_seed(5)
+    for k in reqs:  # random byte-level walks: the mask keeps every output valid UTF-8
+        ids = []
+        while not mgr.is_terminated(k):
+            x = torch.rand(1, mgr.vocab_size, generator=g)
+            high = torch.full((1, mgr.vocab_size), 0.0)
+            high[0, list(bt.values())] = 1.0  # favour single bytes: where invalid UTF-8 hides
+            x = x + high
+            apply_bitmask(mgr, x, fill_bitmask(mgr, [k]), [k])
+            t = int(x.argmax())
+            assert mgr.accept(k, t)
+            ids.append(t)
+        raw = b"".join(vocab[t] for t in ids[:-1])
+        json.loads(raw.decode("utf-8"))  # strict: raises on invalid UTF-8
+        mgr.drop(k)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"regex": r"[^\s\S]"}, "regex"), ({"grammar": "root ::= root"}, "grammar")],
+)
+def test_unsatisfiable_constraints_are_refused(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}: the constraint allows no output"):
+        StructuredOutputsParams(**kwargs)
+
+
+PYDANTIC = {  # what pydantic writes for a model with a nested model: $defs and $ref
+    "$defs": {
+        "Point": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["x"],
+        }
+    },
+    "type": "object",
+    "properties": {"at": {"$ref": "#/$defs/Point"}, "to": {"$ref": "#/$defs/Point"}},
+    "required": ["at", "to"],
+}
+
+
+def test_required_tool_choice_resolves_each_tools_defs(mgr, tok):
+    tools = [{"type": "function", "function": {"name": "move", "parameters": PYDANTIC}}]
+    tools.append({"type": "function", "function": {"name": "stop"}})
+    p = tool_choice_params(tools, "required")
+    for text in run_random(mgr, tok, {f"d{i}": p for i in range(6)}, seed=6).values():
+        for call in constrained_tool_calls(text, "required"):
+            if call["function"]["name"] == "move":
+                jsonschema.validate(json.loads(call["function"]["arguments"]), PYDANTIC)
+
+
+LOOSE = {  # valid JSON Schema the mask cannot enforce
+    "type": "object",
+    "properties": {
+        "ids": {"type": "array", "uniqueItems": True},
+        "name": {"type": "string", "pattern": "^[a-z]+$", "minLength": 2},
+        "n": {"not": {"type": "null"}},
+    },
+    "if": {"required": ["n"]},
+    "then": {"required": ["ids"]},
+}
+
+
+def test_tools_the_choice_does_not_enforce_may_use_any_keyword():
+    tools = [{"type": "function", "function": {"name": "loose", "parameters": LOOSE}}]
+    tools.append({"type": "function", "function": {"name": "ok"}})
+    assert validate_tools(tools)[0]["function"]["parameters"] == LOOSE
+    for choice in (None, "auto", "none"):
+        assert tool_choice_params(tools, choice) is None
+    assert tool_choice_params(tools, {"type": "function", "function": {"name": "ok"}})
+    for choice in ("required", {"type": "function", "function": {"name": "loose"}}):
+        with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.parameters: unsupported"):
+            tool_choice_params(tools, choice)
+
+
+def test_readme_choice_command(capsys):
+    "The README's command: --choice's last value is the prompt when no prompt follows."
+    from hetero_infer.cli.main import main
+
+    argv = ["generate", "--chat", "--choice", "a b c d", "d c b a", "reverse: a b c d"]
+    assert main(argv) == 0  # as written in the README
+    out = capsys.readouterr().out.strip()
+    assert out in (f"'reverse: a b c d' -> {c!r} (stop)" for c in ("a b c d", "d c b a")), out
+    assert main(["generate", "--choice", "yes"]) == 2  # the choices and no prompt
+    assert "--choice" in capsys.readouterr().err

@@ -345,3 +345,104 @@ def test_logprobs_of_constrained_requests_are_finite(server, client):
         body = {**body, **choice, **KW, "stream": True}
         text = httpx.post(server + path, json=body, timeout=60).text
         assert "Infinity" not in text and "NaN" not in text and "-9999.0" in text, text
+
+
+def test_a_long_bounded_string_keeps_the_server_answering(server, client):
+    """Three maxLength-5000 strings (the schema is new: checked and compiled now) while /healthz
+    is polled: every health check answers within 2 s, and the request completes."""
+    import threading
+    import time
+
+    import httpx
+
+    props = {k: {"type": "string", "maxLength": 5000} for k in ("p", "q", "r")}
+    schema = {"type": "object", "properties": props, "required": ["p"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "long", "schema": schema}}
+    done, slowest = [], [0.0]
+
+    def poll():
+        while not done:
+            t = time.perf_counter()
+            assert httpx.get(server + "/healthz", timeout=30).status_code == 200
+            slowest[0] = max(slowest[0], time.perf_counter() - t)
+            time.sleep(0.02)
+
+    th = threading.Thread(target=poll)
+    th.start()
+    try:
+        r = client.chat.completions.create(
+            messages=MSGS, response_format=rf, **{**KW, "max_tokens": 8}
+        )
+    finally:
+        done.append(True)
+        th.join(30)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert slowest[0] < 2.0, slowest
+
+
+def test_an_unsatisfiable_constraint_is_a_400_saying_so(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            prompt="x", extra_body={"structured_outputs": {"regex": r"[^\s\S]"}}, **KW
+        )
+    assert e.value.body["param"] == "structured_outputs"
+    assert "allows no output" in e.value.body["message"]
+
+
+def test_required_with_pydantic_defs_validates(client):
+    point = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x"],
+    }
+    params = {
+        "$defs": {"Point": point},
+        "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/Point"}},
+        "required": ["at"],
+    }
+    move = {"type": "function", "function": {"name": "move", "parameters": params}}
+    r = client.chat.completions.create(
+        messages=MSGS, tools=[move, ADD], tool_choice="required", seed=1, **KW
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    for c in ch.message.tool_calls:
+        schema = params if c.function.name == "move" else SCHEMAS["add"]
+        jsonschema.validate(json.loads(c.function.arguments), schema)
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none"])
+def test_tools_with_any_keyword_are_accepted_when_unconstrained(client, choice):
+    loose = {
+        "type": "object",
+        "properties": {
+            "ids": {"type": "array", "uniqueItems": True},
+            "name": {"type": "string", "pattern": "^[a-z]+$", "minLength": 2},
+            "n": {"not": {"type": "null"}},
+        },
+        "if": {"required": ["n"]},
+        "then": {"required": ["ids"]},
+    }
+    tool = {"type": "function", "function": {"name": "loose", "parameters": loose}}
+    kw = {} if choice is None else {"tool_choice": choice}
+    r = client.chat.completions.create(messages=MSGS, tools=[tool], **kw, **{**KW, "max_tokens": 4})
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=MSGS, tools=[tool], tool_choice="required", **KW)
+    assert e.value.body["param"] == "tools" and "uniqueItems" in e.value.body["message"]
+
+
+def test_a_named_call_cut_by_a_stop_string_streams_as_it_answers(client):
+    "Cut by a stop string, a named call is content with 'stop', streamed or not."
+    named = {"type": "function", "function": {"name": "add"}}
+    kw = dict(messages=MSGS, tools=TOOLS, tool_choice=named, stop=[":"], seed=2, **KW)
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert (ch.finish_reason, ch.message.content, ch.message.tool_calls) == ("stop", '{"a"', None)
+    text, reason, calls = "", None, []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            reason = c.finish_reason or reason
+    assert (reason, text, calls) == ("stop", '{"a"', [])

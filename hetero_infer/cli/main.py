@@ -82,15 +82,15 @@ def sampling_params(args) -> SamplingParams:
 
 def cmd_generate(args) -> int:
     "Complete each prompt and print it with its completion."
-    prompts = [p.rstrip(LINE_ENDS) for p in args.input] + list(args.prompts)
     cfg = engine_config(args)
+    params = sampling_params(args)  # first: a later chapter's flag may hold the prompt
+    prompts = [p.rstrip(LINE_ENDS) for p in args.input] + list(args.prompts)
     if not prompts:
         prompts = read_prompts(sys.stdin)
     if not prompts:
         raise UsageError(
             "prompts", "give at least one prompt (as arguments, with --input, or on stdin)"
         )
-    params = sampling_params(args)
     from hetero_infer.engine.llm import LLM
 
     try:

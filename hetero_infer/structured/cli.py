@@ -42,7 +42,8 @@ def add_constraint_flags(parser) -> None:
         "--choice",
         nargs="+",
         metavar="TEXT",
-        help="outputs are one of these strings (default: none)",
+        help="outputs are one of these strings; with no prompt after them or --input, the last "
+        "is the prompt: --choice yes no 'Is it?' (default: none)",
     )
     g.add_argument(
         "--grammar", metavar="FILE", help="outputs follow this EBNF grammar file (default: none)"
@@ -56,6 +57,10 @@ def apply_constraint_flags(args, sampling_kwargs: dict) -> None:
         return
     name, flag = given[0], "--" + given[0].replace("_", "-")
     value = getattr(args, name)
+    if name == "choice" and not args.prompts and not args.input:  # --choice A B ... PROMPT
+        if len(value) < 2:
+            raise UsageError(flag, "give the choices, then the prompt (or prompts after them)")
+        value, args.prompts = value[:-1], value[-1:]
     if name in ("json_schema", "grammar"):
         try:
             with open(value, encoding="utf-8") as f:

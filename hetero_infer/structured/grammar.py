@@ -6,10 +6,12 @@
 from __future__ import annotations
 import dataclasses
 import json
+import re
 import threading
 import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 import torch
 
@@ -18,8 +20,10 @@ from ..core.sampling_params import register_params_check
 # %% auto #0
 __all__ = [
     "UNSUPPORTED_SCHEMA_KEYWORDS",
+    "CHECK_SECONDS",
     "unsupported_schema_keywords",
-    "bounded_strings_as_patterns",
+    "declared_required",
+    "json_schema_grammar",
     "choice_grammar",
     "StructuredOutputsParams",
     "check_structured_outputs",
@@ -32,58 +36,159 @@ __all__ = [
     "apply_bitmask",
 ]
 
+
+# %% ../../nbs/14_structured_outputs.ipynb #a1f0e0c2
+def _resolve(schema: Any, root: dict) -> dict:
+    "`schema` with its local `$ref` (and a lone `allOf` subschema) followed; {} if unknown."
+    for _ in range(16):
+        if not isinstance(schema, dict):
+            return {}
+        if len(schema.get("allOf") or []) == 1 and set(schema) <= {"allOf", "description"}:
+            schema = schema["allOf"][0]
+            continue
+        ref = schema.get("$ref")
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            return schema
+        schema = root
+        for part in filter(None, ref[1:].split("/")):
+            key = part.replace("~1", "/").replace("~0", "~")
+            schema = schema.get(key) if isinstance(schema, dict) else None
+    return {}
+
+
+def _values(schema: dict) -> set | None:
+    "The values `schema` allows, as canonical JSON, when it lists them (const, enum); else None."
+    vals = [schema["const"]] if "const" in schema else schema.get("enum")
+    return None if vals is None else {json.dumps(v, sort_keys=True) for v in vals}
+
+
+def _types(schema: dict) -> set | None:
+    "The JSON types `schema` may match ('integer' inside 'number'); None: any type."
+    vals = _values(schema)
+    if vals is not None:
+        types = {type(json.loads(v)).__name__ for v in vals}
+        py = {"dict": "object", "list": "array", "str": "string", "bool": "boolean"}
+        return {py.get(t, "number" if t in ("int", "float") else "null") for t in types}
+    t = schema.get("type")
+    if t is None:
+        return None
+    return {"number" if x == "integer" else x for x in ([t] if isinstance(t, str) else t)}
+
+
+def _disjoint(a: Any, b: Any, root: dict) -> bool:
+    "Whether no value matches both: different types, values, or a required tag's values."
+    a, b = _resolve(a, root), _resolve(b, root)
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not va & vb:
+        return True
+    if ta != {"object"} and tb != {"object"}:
+        return False
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    for tag in set(a.get("required") or []) & set(b.get("required") or []):
+        va, vb = _values(_resolve(pa.get(tag, {}), root)), _values(_resolve(pb.get(tag, {}), root))
+        if va is not None and vb is not None and not va & vb:
+            return True
+    return False
+
+
+def _overlapping_branches(branches: list, root: dict) -> tuple[int, int] | None:
+    "Two `oneOf` branches that one value might match (the mask would allow it), or None."
+    for i in range(len(branches)):
+        for j in range(i + 1, len(branches)):
+            if not _disjoint(branches[i], branches[j], root):
+                return i, j
+    return None
+
+
 # %% ../../nbs/14_structured_outputs.ipynb #16aabba2
 UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
     ["uniqueItems", "dependentRequired", "dependentSchemas", "unevaluatedProperties"]
     + ["unevaluatedItems", "not", "if", "then", "else", "$dynamicRef", "$dynamicAnchor"]
+    + ["contains", "minContains", "maxContains", "patternProperties", "multipleOf"]
 )  # keywords the mask cannot guarantee: refused, never silently dropped
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "contains", "propertyNames")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 
 
-def unsupported_schema_keywords(schema: Any, path: str = "") -> list[str]:
-    "Where `schema` uses an unsupported keyword, a non-local `$ref`, or lengths beside a pattern."
-    if not isinstance(schema, dict):
-        return []
-    found = [f"{path}/{k}" for k in schema if k in UNSUPPORTED_SCHEMA_KEYWORDS]
-    lengths = "minLength" in schema or "maxLength" in schema
-    if lengths and {"pattern", "format"} & schema.keys():  # xgrammar drops the lengths
-        found.append(f"{path}/minLength or maxLength beside pattern or format")
+def _unenforced(schema: dict, root: dict) -> list[str]:
+    "The keywords of `schema` itself (not of its subschemas) that the mask would not enforce."
+    found = [k for k in schema if k in UNSUPPORTED_SCHEMA_KEYWORDS]
+    if ("minLength" in schema or "maxLength" in schema) and {"pattern", "format"} & schema.keys():
+        found.append("minLength or maxLength beside pattern or format")  # xgrammar drops them
+    if len(schema.get("allOf") or []) > 1:
+        found.append("allOf (with more than one subschema)")
+    pair = _overlapping_branches(schema.get("oneOf") or [], root)
+    if pair:
+        found.append(f"oneOf (branches {pair[0]} and {pair[1]} may both match)")
+    undeclared = set(schema.get("required") or []) - set(schema.get("properties") or {})
+    if undeclared and schema.get("additionalProperties") is False:
+        found.append(f"required ({sorted(undeclared)} not in properties)")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
-        found.append(f"{path}/$ref ({ref})")
+        found.append(f"$ref ({ref})")
+    return found
+
+
+def unsupported_schema_keywords(schema: Any, path: str = "", root: Any = None) -> list[str]:
+    "Where `schema` uses a keyword the mask cannot enforce (a non-local `$ref` is one)."
+    if not isinstance(schema, dict):
+        return []
+    root = schema if root is None else root
+    found = [f"{path}/{k}" for k in _unenforced(schema, root)]
     for k in _SUBSCHEMA_MAPS:
         for name, sub in (schema.get(k) or {}).items():
-            found += unsupported_schema_keywords(sub, f"{path}/{k}/{name}")
+            found += unsupported_schema_keywords(sub, f"{path}/{k}/{name}", root)
     for k in _SUBSCHEMA_ONE:
-        found += unsupported_schema_keywords(schema.get(k), f"{path}/{k}")
+        found += unsupported_schema_keywords(schema.get(k), f"{path}/{k}", root)
     for k in _SUBSCHEMA_LISTS:
         for i, sub in enumerate(schema.get(k) or []):
-            found += unsupported_schema_keywords(sub, f"{path}/{k}/{i}")
+            found += unsupported_schema_keywords(sub, f"{path}/{k}/{i}", root)
     return found
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #1a1ac7ec
-def bounded_strings_as_patterns(schema: Any) -> Any:
-    "A copy of `schema` where each length-bounded string without a pattern gets an equivalent one."
+def declared_required(schema: Any) -> Any:
+    "A copy of `schema` where each object declares the properties it requires."
     if not isinstance(schema, dict):
         return schema
     s = dict(schema)
-    bounded = "minLength" in s or "maxLength" in s
-    if s.get("type") == "string" and bounded and not {"pattern", "format"} & s.keys():
-        lo, hi = s.pop("minLength", 0), s.pop("maxLength", "")
-        s["pattern"] = rf'^[^"\\\x00-\x1f]{{{lo},{hi}}}$'
     for k in _SUBSCHEMA_MAPS:
         if isinstance(s.get(k), dict):
-            s[k] = {name: bounded_strings_as_patterns(v) for name, v in s[k].items()}
+            s[k] = {name: declared_required(v) for name, v in s[k].items()}
     for k in _SUBSCHEMA_ONE:
         if k in s:
-            s[k] = bounded_strings_as_patterns(s[k])
+            s[k] = declared_required(s[k])
     for k in _SUBSCHEMA_LISTS:
         if isinstance(s.get(k), list):
-            s[k] = [bounded_strings_as_patterns(v) for v in s[k]]
+            s[k] = [declared_required(v) for v in s[k]]
+    props = s.get("properties", {})
+    missing = [r for r in s.get("required") or [] if r not in props]
+    if missing and isinstance(props, dict):
+        extra = s.get("additionalProperties")
+        extra = extra if isinstance(extra, dict) else {}  # absent or true: any value
+        s["properties"] = {**props, **{r: extra for r in missing}}
     return s
+
+
+_LENGTH_CHARS = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)  # xgrammar's rule
+_STRING_CHARS = r"[^\0-\x1f\"\\\r\n]"  # the class of xgrammar's unbounded strings
+_NO_SURROGATES = r"\uD800-\uDFFF"  # UTF-16 halves: not characters, and not valid UTF-8
+
+
+def json_schema_grammar(schema: dict, strict_mode: bool = True) -> str:
+    """xgrammar's EBNF grammar of `schema`, its strings held to JSON's characters: no control
+    character in a length-bounded one, no UTF-16 surrogate half in any (invalid UTF-8)."""
+    import xgrammar as xgr
+
+    text = json.dumps(declared_required(schema))
+    ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict_mode))
+    bounded = '(([^\\"\\\\\\0-\\x1f' + _NO_SURROGATES + "]))"
+    ebnf = _LENGTH_CHARS.sub(lambda m: f"{m[1]} ::= {bounded}", ebnf)
+    return ebnf.replace(_STRING_CHARS, _STRING_CHARS[:-1] + _NO_SURROGATES + "]")
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #e1a033b8
@@ -106,10 +211,53 @@ def _schema(value: Any) -> dict:
     return value
 
 
-def _check_spec(kind: str, spec: Any):
-    "Parse `spec` with jsonschema and xgrammar's front end; ValueError naming `kind`."
+CHECK_SECONDS = 0.5  # a front end slower than this is left to the engine's compile (off-thread)
+_CHECKS = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
+_BYTES: dict = {}  # a grammar compiler over a 256-byte vocabulary, built on first use
+
+
+def _byte_compiler():
+    "The grammar compiler over 256 one-byte tokens and an end token (built once)."
     import xgrammar as xgr
 
+    if "compiler" not in _BYTES:
+        vocab = [bytes([b]) for b in range(256)] + [b"<end>"]
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, stop_token_ids=[256])
+        _BYTES["compiler"] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return _BYTES["compiler"]
+
+
+def _first_bytes(grammar) -> int:
+    "How many bytes (or the end) `grammar` allows first: 0 means its language is empty."
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(_byte_compiler().compile_grammar(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(bitmask)
+    return int(sum(bin(w & 0xFFFFFFFF).count("1") for w in bitmask[0].tolist()))
+
+
+def _parse(kind: str, spec: Any) -> None:
+    "xgrammar's front end on `spec`, and one byte-level step; ValueError naming `kind`."
+    import xgrammar as xgr
+
+    build = {
+        "json": lambda: xgr.Grammar.from_ebnf(json_schema_grammar(spec)),
+        "regex": lambda: xgr.Grammar.from_regex(spec),
+        "grammar": lambda: xgr.Grammar.from_ebnf(spec),
+        "choice": lambda: xgr.Grammar.from_ebnf(choice_grammar(spec)),
+    }[kind]
+    try:
+        grammar = build()
+    except Exception as e:  # xgrammar raises RuntimeError with its parser's message
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{kind}: {msg.split(': ', 1)[-1]}") from None
+    if _first_bytes(grammar) == 0:
+        raise ValueError(f"{kind}: the constraint allows no output (nothing matches it)")
+
+
+def _check_spec(kind: str, spec: Any):
+    "Check `spec` (jsonschema, then xgrammar's front end for `CHECK_SECONDS`); ValueError."
     if kind == "json":
         import jsonschema
 
@@ -120,20 +268,13 @@ def _check_spec(kind: str, spec: Any):
         bad = unsupported_schema_keywords(spec)
         if bad:
             raise ValueError(f"json: unsupported schema keyword(s) {', '.join(bad)}")
-    build = {
-        "json": lambda: xgr.Grammar.from_json_schema(
-            json.dumps(bounded_strings_as_patterns(spec)), any_whitespace=False
-        ),
-        "regex": lambda: xgr.Grammar.from_regex(spec),
-        "grammar": lambda: xgr.Grammar.from_ebnf(spec),
-        "choice": lambda: xgr.Grammar.from_ebnf(choice_grammar(spec)),
-    }.get(kind)
-    if build is not None:
-        try:
-            build()
-        except Exception as e:  # xgrammar raises RuntimeError with its parser's message
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{kind}: {msg.split(': ', 1)[-1]}") from None
+    if kind == "json_object":
+        return
+    _byte_compiler()  # once per process, here: not against the time limit
+    try:  # on a worker thread (xgrammar releases the GIL): a server's event loop goes on
+        _CHECKS.submit(_parse, kind, spec).result(timeout=CHECK_SECONDS)
+    except FutureTimeout:
+        pass  # a slow front end: the compile reports its errors and has a time limit
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #5ca91f6e
@@ -215,12 +356,9 @@ def compile_grammar(compiler, params: StructuredOutputsParams):
     "Compile `params` with an xgrammar `GrammarCompiler` (its cache makes a repeat ~free)."
     kind, spec = params.kind, params.spec
     if kind == "json":
-        schema = json.dumps(bounded_strings_as_patterns(spec))
-        return compiler.compile_json_schema(schema, any_whitespace=False)
+        return compiler.compile_grammar(json_schema_grammar(spec))
     if kind == "json_object":
-        return compiler.compile_json_schema(
-            '{"type": "object"}', any_whitespace=False, strict_mode=False
-        )
+        return compiler.compile_grammar(json_schema_grammar({"type": "object"}, strict_mode=False))
     if kind == "regex":
         return compiler.compile_regex(spec)
     return compiler.compile_grammar(spec if kind == "grammar" else choice_grammar(spec))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
 from typing import Any, Union
 
 from ..server.extensions import ChatChoice, RequestExtension, merge_deltas
@@ -17,9 +16,9 @@ from ..server.protocol import APIError
 from .grammar import StructuredOutputsParams
 from hetero_infer.structured.tool_calls import (
     TOOL_CALL_FORMATS,
+    constrained_params,
     constrained_tool_calls,
     parse_tool_calls,
-    tool_choice_schema,
     validate_tool_choice,
     validate_tools,
 )
@@ -119,8 +118,7 @@ def request_structure(values: dict) -> RequestStructure:
     tools = None if tools is None else _named("tools", validate_tools, tools)
     choice = _named("tool_choice", validate_tool_choice, values.get("tool_choice"), tools)
     parallel = values.get("parallel_tool_calls") is not False
-    schema = tool_choice_schema(tools or [], choice, parallel)
-    found["tool_choice"] = None if schema is None else StructuredOutputsParams(json=schema)
+    found["tool_choice"] = _named("tools", constrained_params, tools or [], choice, parallel)
     asked = [k for k, v in found.items() if v is not None]
     if len(asked) > 1:
         msg = f"structured_outputs: give at most one constraint, got {', '.join(asked)}"
@@ -210,7 +208,6 @@ class ToolCallStream(ChatChoice):
     def __init__(self, choice: str, fmt: str | None):  # choice: required, auto or a function
         self.choice, self.fmt = choice, fmt  # fmt: the format 'auto' parses
         self.text, self.sent, self.held = "", 0, False  # held: a call began, text is buffered
-        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         "The message of the finished choice: content, or tool calls."
@@ -219,10 +216,8 @@ class ToolCallStream(ChatChoice):
     def feed(self, delta: str) -> dict:
         "The delta to send for new text `delta` (maybe empty)."
         self.text += delta
-        if self.choice == "required" or self.held:
+        if self.choice != "auto" or self.held:  # a constrained call: sent whole at the end
             return {}
-        if self.choice != "auto":  # a named function: the output is its arguments
-            return self._arguments(delta)
         if self.fmt == "hermes":
             i = self.text.find(_TAG, self.sent)
             if i >= 0:
@@ -239,19 +234,8 @@ class ToolCallStream(ChatChoice):
         text, self.sent = self.text[self.sent : upto], max(self.sent, upto)
         return {"content": text} if text else {}
 
-    def _arguments(self, delta: str) -> dict:
-        fn = {"arguments": delta}
-        if self.sent == 0:
-            fn = {"name": self.choice, "arguments": delta}
-            self.sent = 1
-            return _call_delta(0, {"id": self.call_id, "type": "function", "function": fn})
-        return _call_delta(0, {"function": fn}) if delta else {}
-
     def finish(self, finish_reason: str | None) -> tuple[dict, str | None]:
         "The last delta and the finish reason, once the engine finished the choice."
-        if self.choice not in ("auto", "required"):
-            last = self._arguments("") if self.sent == 0 else {}
-            return last, "tool_calls" if finish_reason == "stop" else finish_reason
         if not self.held and self.choice == "auto":
             return self._content(len(self.text)), finish_reason
         message, reason = self.message(self.text[self.sent :], finish_reason)

@@ -60,8 +60,9 @@ def mask_rows(mgr: StructuredOutputsManager, logits: torch.Tensor, rows: list, k
 class HeldSequences:
     "Constrained sequences whose grammar still compiles, scheduled once it has compiled."
 
-    def __init__(self):
+    def __init__(self, timeout: float = 60.0):  # seconds a grammar may take to compile
         self.seqs: list[Sequence] = []
+        self.timeout, self.since = timeout, {}  # seq_id -> when it was held
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -74,12 +75,13 @@ class HeldSequences:
                 engine.scheduler.add(seq)  # ValueError: it could never fit
             else:
                 self.seqs.append(seq)
+                self.since[seq.seq_id] = time.monotonic()
         except Exception:
             mgr.drop(seq.seq_id)
             raise
 
     def release(self, engine, mgr: StructuredOutputsManager) -> None:
-        "Schedule held sequences whose grammar compiled; end those that cannot run with an error."
+        "Schedule held sequences whose grammar compiled; end with an error those that cannot run."
         if not self.seqs:
             return
         if engine.get_num_unfinished_requests() == len(self.seqs):  # nothing else to run: wait
@@ -90,6 +92,10 @@ class HeldSequences:
             try:
                 if mgr.ready(seq.seq_id):
                     engine.scheduler.add(seq)
+                    self.since.pop(seq.seq_id, None)
+                elif time.monotonic() - self.since[seq.seq_id] > self.timeout:
+                    why = f"did not compile within {self.timeout:g} s (the limit)"
+                    raise ValueError(f"{seq.params.structured_outputs.kind}: the grammar {why}")
                 else:
                     self.seqs.append(seq)
             except QueueFullError:
@@ -100,6 +106,7 @@ class HeldSequences:
     def drop(self, seq: Sequence) -> None:
         "Forget `seq` (it finished or was aborted while held)."
         self.seqs = [s for s in self.seqs if s is not seq]
+        self.since.pop(seq.seq_id, None)
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #17863112
@@ -123,7 +130,7 @@ class StructuredOutputsPlugin(EnginePlugin):
             vocab = engine.runner.model.config.vocab_size  # the logits' width
             stops = sorted(engine.eos_token_ids)
             info = tokenizer_info(engine.tokenizer, vocab_size=vocab, stop_token_ids=stops)
-            self.mgr = StructuredOutputsManager(info)
+            self.mgr = StructuredOutputsManager(info, max_workers=4)  # a slow one blocks none
         return self.mgr
 
     def add_sequence(self, engine, seq: Sequence) -> bool:
@@ -169,11 +176,14 @@ class StructuredOutputsPlugin(EnginePlugin):
         self.planned.clear()  # the step landed: its children become real with their tokens
 
     def check_stop(self, engine, seq: Sequence, token: int) -> SequenceStatus | None:
-        "Advance `seq`'s matcher: FINISHED_STOPPED once its grammar is complete."
+        "Advance `seq`'s matcher: FINISHED_STOPPED once complete, FINISHED_ERROR at a dead end."
         if self.mgr is None or seq.seq_id not in self.mgr:
             return None
-        if not self.mgr.accept(seq.seq_id, token):  # never under the mask: do not go on
-            return SequenceStatus.FINISHED_ABORTED
+        if not self.mgr.accept(seq.seq_id, token):  # the mask allowed no token at all
+            n = len(self.mgr.seqs[seq.seq_id].tokens)
+            why = f"structured_outputs: the constraint allows no output after {n} tokens"
+            engine.requests[seq.request_id].error = why
+            return SequenceStatus.FINISHED_ERROR
         return SequenceStatus.FINISHED_STOPPED if self.mgr.is_terminated(seq.seq_id) else None
 
     def on_finish(self, engine, seq: Sequence) -> None:

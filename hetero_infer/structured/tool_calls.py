@@ -9,7 +9,7 @@ import json
 import re
 import typing
 import uuid
-from .grammar import StructuredOutputsParams
+from .grammar import StructuredOutputsParams, unsupported_schema_keywords
 
 # %% auto #0
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "validate_tools",
     "validate_tool_choice",
     "tool_choice_schema",
+    "constrained_params",
     "tool_choice_params",
     "tool_call",
     "constrained_tool_calls",
@@ -31,6 +32,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 def validate_tools(tools: typing.Any) -> list[dict]:
     "Check OpenAI `tools` (ValueError naming `tools`); the list with `parameters` defaulted."
+    import jsonschema
+
     if not isinstance(tools, list) or not tools:
         raise ValueError("tools: must be a non-empty list")
     out, names = [], set()
@@ -49,12 +52,13 @@ def validate_tools(tools: typing.Any) -> list[dict]:
             raise ValueError(f"tools[{i}].function.name: {name!r} appears twice")
         names.add(name)
         params = f.get("parameters", {"type": "object", "properties": {}})
-        try:
-            StructuredOutputsParams(json=params)
-        except ValueError as e:
-            raise ValueError(
-                f"tools[{i}].function.parameters: {str(e).split(': ', 1)[-1]}"
-            ) from None
+        where = f"tools[{i}].function.parameters"
+        if not isinstance(params, dict):
+            raise ValueError(f"{where}: a JSON schema must be an object")
+        try:  # a valid schema; what the mask must enforce is checked when a choice constrains
+            jsonschema.validators.validator_for(params).check_schema(params)
+        except jsonschema.SchemaError as e:
+            raise ValueError(f"{where}: invalid JSON schema: {e.message}") from None
         out.append({"type": "function", "function": {**f, "parameters": params}})
     return out
 
@@ -81,6 +85,19 @@ def validate_tool_choice(tool_choice: typing.Any, tools: list[dict] | None) -> s
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #4bbd36ff
+def _rebased(schema: typing.Any, base: str) -> typing.Any:
+    "A copy of `schema` whose local `$ref`s point inside `base` (where it will sit)."
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, base) for k, v in schema.items() if k not in ("enum", "const")}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out | {k: schema[k] for k in ("enum", "const") if k in schema}
+
+
 def tool_choice_schema(
     tools: list[dict], choice: str, parallel_tool_calls: bool = True
 ) -> dict | None:
@@ -90,25 +107,37 @@ def tool_choice_schema(
     fns = {t["function"]["name"]: t["function"] for t in tools}
     if choice != "required":
         return fns[choice]["parameters"]
+    defs = {n: _rebased(f["parameters"], f"#/$defs/{n}") for n, f in fns.items()}
     call = [
         {
             "type": "object",
-            "properties": {"name": {"enum": [n]}, "parameters": f["parameters"]},
+            "properties": {"name": {"enum": [n]}, "parameters": {"$ref": f"#/$defs/{n}"}},
             "required": ["name", "parameters"],
         }
-        for n, f in fns.items()
-    ]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+        for n in fns
+    ]  # each function's parameters under $defs, so its own $refs ($defs, pydantic's) resolve
+    schema = {"$defs": defs, "type": "array", "minItems": 1, "items": {"anyOf": call}}
     return schema if parallel_tool_calls else {**schema, "maxItems": 1}
+
+
+def constrained_params(tools: list[dict], choice: str, parallel_tool_calls: bool = True):
+    """The `StructuredOutputsParams` of validated `tools` and `choice` (None: unconstrained);
+    a keyword the mask cannot enforce, in a function the choice enforces, is a ValueError."""
+    schema = tool_choice_schema(tools, choice, parallel_tool_calls)
+    if schema is None:
+        return None
+    for i, t in enumerate(tools):
+        bad = unsupported_schema_keywords(t["function"]["parameters"])
+        if bad and choice in ("required", t["function"]["name"]):
+            where = f"tools[{i}].function.parameters"
+            raise ValueError(f"{where}: unsupported schema keyword(s) {', '.join(bad)}")
+    return StructuredOutputsParams(json=schema)
 
 
 def tool_choice_params(tools, tool_choice, parallel_tool_calls: bool = True):
     "The `StructuredOutputsParams` for OpenAI `tools` + `tool_choice`, or None when unconstrained."
     tools = validate_tools(tools)
-    schema = tool_choice_schema(
-        tools, validate_tool_choice(tool_choice, tools), parallel_tool_calls
-    )
-    return None if schema is None else StructuredOutputsParams(json=schema)
+    return constrained_params(tools, validate_tool_choice(tool_choice, tools), parallel_tool_calls)
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #6797be19
