@@ -380,6 +380,14 @@ def test_validate_tools_defaults_parameters():
             '{"name": "f", "parameters": {}} and more',
             [],
         ),
+        # llama3_json calls may name their arguments "arguments", as Hermes' do
+        ('{"name": "f", "arguments": {"x": 1}}', "llama3_json", None, [("f", {"x": 1})]),
+        (
+            '<|python_tag|>{"name": "f", "arguments": {"s": "a"}}; {"name": "g", "parameters": {}}',
+            "llama3_json",
+            None,
+            [("f", {"s": "a"}), ("g", {})],
+        ),
         ('{"answer": 42}', "llama3_json", '{"answer": 42}', []),
         ("The answer is 42.", "llama3_json", "The answer is 42.", []),
     ],
