@@ -625,3 +625,43 @@ def test_cli_quantize_lm_head_flag():
     a = p.parse_args(["generate", "--quantization", "int8", "--no-quantize-lm-head", "x"])
     assert engine_config(a).quantize_lm_head is False and engine_config(a).quantization == "int8"
     assert engine_config(p.parse_args(["serve"])).quantize_lm_head is True  # the default
+
+
+@pytest.fixture(scope="module")
+def ct_qwen2(tmp_path_factory):
+    "A tiny random Qwen2 (q/k/v with biases) and its compressed-tensors w8a16 checkpoint."
+    import contextlib
+    import io
+    from hetero_infer.quant.checkpoints import write_compressed_checkpoint
+    from hetero_infer.testing import tiny_hf_checkpoint
+
+    d = tmp_path_factory.mktemp("ct-qwen2")
+    src = tiny_hf_checkpoint(d / "float", "qwen2", seed=4)
+    assert src.model.layers[0].self_attn.q_proj.bias is not None
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        return write_compressed_checkpoint(copy.deepcopy(src), d / "w8a16", "w8a16")
+
+
+def test_compressed_checkpoint_with_qkv_biases_loads_them(ct_qwen2):
+    """A pre-quantized Qwen2 keeps its q/k/v biases in the int8 layers, and greedy decoding
+    follows the model transformers decompresses the checkpoint to, token for token."""
+    import contextlib
+    import io
+    from transformers import AutoModelForCausalLM
+    from hetero_infer.model.loading import load_model
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        theirs = AutoModelForCausalLM.from_pretrained(ct_qwen2, dtype=torch.float32).eval()
+    ours = load_model(ct_qwen2)
+    for i, layer in enumerate(ours.layers):
+        qkv, attn = layer.self_attn.qkv_proj, theirs.model.layers[i].self_attn
+        assert isinstance(qkv, QuantizedLinear) and qkv.bias is not None
+        ref = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
+        assert ref.abs().max() > 0.1  # random biases, far from zero
+        assert torch.equal(qkv.bias.detach().float(), ref), i
+    _, got = _greedy(str(ct_qwen2), n=4, max_tokens=6, dtype="float32")
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(4)]
+    for p, g in zip(prompts, got):
+        with torch.no_grad():
+            ids = theirs.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)
+        assert g == ids[0, len(p) :].tolist(), p
