@@ -3,6 +3,7 @@ the CPU int8 paths and the Triton kernel (interpreter on CPU) against a dequanti
 W8A8's recorded fallback, fp8 KV helpers, and refusals naming the field."""
 
 import copy
+import re
 import pytest
 import torch
 import torch.nn as nn
@@ -665,3 +666,101 @@ def test_compressed_checkpoint_with_qkv_biases_loads_them(ct_qwen2):
         with torch.no_grad():
             ids = theirs.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)
         assert g == ids[0, len(p) :].tolist(), p
+
+
+# --- `checkpoint_scheme` on config dicts: what is accepted, and every refusal by name ---
+
+W_INT = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+A_INT = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+
+
+def _qc(group=None, **top):
+    "A compressed-tensors `config.json` dict with one group (int8 weights, per channel)."
+    group = {"weights": W_INT} if group is None else group
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    return {"quantization_config": {**qc, "config_groups": {"group_0": group}, **top}}
+
+
+@pytest.mark.parametrize(
+    "cfg,weights,acts,mode",
+    [
+        (_qc(), "int", None, "int8"),
+        (_qc({"weights": W_INT, "input_activations": A_INT}), "int", "int", "w8a8"),
+        (
+            _qc({"weights": {**W_INT, "strategy": "tensor"}, "input_activations": None}),
+            "int",
+            None,
+            "int8",
+        ),
+        (
+            _qc({"weights": {k: v for k, v in W_INT.items() if k != "symmetric"}}),
+            "int",
+            None,
+            "int8",
+        ),
+        (
+            _qc(
+                {
+                    "weights": {**W_INT, "type": "float"},
+                    "input_activations": {**A_INT, "type": "float", "strategy": "tensor"},
+                },
+                format="float-quantized",
+            ),
+            "float",
+            "float",
+            None,
+        ),
+        (_qc({"weights": W_INT, "format": "naive-quantized"}, format=None), "int", None, "int8"),
+        (_qc(kv_cache_scheme=None, sparsity_config={}), "int", None, "int8"),
+    ],
+)
+def test_checkpoint_scheme_accepts(cfg, weights, acts, mode):
+    from hetero_infer.quant.checkpoints import CheckpointScheme, checkpoint_scheme
+
+    s = checkpoint_scheme(cfg)
+    assert s == CheckpointScheme(weights, acts) and s.mode == mode
+
+
+@pytest.mark.parametrize(
+    "cfg,why",
+    [
+        ({"quantization_config": "int8"}, "'int8'"),
+        (_qc(quant_method="fp8"), "quant_method 'fp8'"),
+        (_qc(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
+        (_qc(sparsity_config={"format": "sparse-24"}), "sparsity"),
+        (_qc(transform_config={"x": 1}), "sparsity"),
+        (
+            {"quantization_config": {**_qc()["quantization_config"], "config_groups": {}}},
+            "no config_groups",
+        ),
+        (_qc(format=None), "format None"),
+        (_qc({"weights": {**W_INT, "num_bits": 4}}), "4-bit int weights"),
+        (_qc({"weights": {**W_INT, "type": "bool"}}), "8-bit bool weights"),
+        (_qc({"weights": {**W_INT, "symmetric": False}}), "asymmetric or dynamic weights"),
+        (_qc({"weights": {**W_INT, "dynamic": True}}), "asymmetric or dynamic weights"),
+        (_qc({"weights": W_INT, "output_activations": A_INT}), "output activations"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "dynamic": False}}), "static"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "num_bits": 4}}), "static"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "type": "float"}}), "static"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "strategy": "group"}}), "static"),
+    ],
+)
+def test_checkpoint_scheme_refuses_by_name(cfg, why):
+    from hetero_infer.quant.checkpoints import checkpoint_scheme
+
+    with pytest.raises(ValueError, match=f"unsupported quantization_config: {re.escape(why)}"):
+        checkpoint_scheme(cfg)
+
+
+def test_checkpoint_scheme_of_several_groups():
+    "Groups with the same scheme are one scheme; different ones are refused; none is None."
+    from hetero_infer.quant.checkpoints import checkpoint_scheme
+
+    cfg = _qc()
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_1"] = {"weights": W_INT}
+    assert checkpoint_scheme(cfg).mode == "int8"
+    groups["group_1"] = {"weights": W_INT, "input_activations": A_INT}
+    with pytest.raises(ValueError, match="several different schemes"):
+        checkpoint_scheme(cfg)
+    assert checkpoint_scheme({"model_type": "llama"}) is None
