@@ -107,7 +107,7 @@ MUTATION_GROUP_structured := structured.tool_calls structured.grammar structured
   structured.plugin structured.cli
 MUTATION_GROUP_quant := quant.checkpoints quant.int8_matmul quant.quantize quant.plugin quant.kernels
 MUTATION_GROUP_moe := moe.kernels moe.model moe.parallel moe.layer
-MUTATION_GROUP_kv_offload := kv_offload.swap kv_offload.host_pool kv_offload.prefix_tier \
+MUTATION_GROUP_kv_offload := kv_offload.swap kv_offload.host_pool kv_offload.prefix_tier kv_offload.bench \
   kv_offload.block_manager kv_offload.scheduler kv_offload.tier kv_offload.plugin
 MUTATION_LATER_GROUPS := spec_decode parallel structured quant moe kv_offload
 MUTATION_GROUP_later := $(foreach g,$(MUTATION_LATER_GROUPS),$(MUTATION_GROUP_$(g)))

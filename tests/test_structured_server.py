@@ -259,6 +259,7 @@ def test_response_format_and_structured_outputs(client):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "structured_outputs"),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
