@@ -121,6 +121,15 @@ def test_triton_int8_matmul_interpreter(M, K, N, dtype):
     assert _rel(y.cpu(), _ref(x.cpu(), q, s)) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+def test_int8_matmul_tiles():
+    "16-row tiles up to 16 rows (decode), 64 beyond; a 32-wide K step in fp32 (no spills)."
+    from hetero_infer.quant.kernels import int8_matmul_tiles
+
+    assert int8_matmul_tiles(16) == (16, 64, 64) and int8_matmul_tiles(17) == (64, 64, 64)
+    assert int8_matmul_tiles(1, torch.float32) == (16, 64, 32)
+    assert int8_matmul_tiles(300, torch.bfloat16) == (64, 64, 64)
+
+
 def test_fbgemm_path_is_exact_and_keeps_one_copy():
     """CPU int8 with VNNI: fbgemm's packed GEMM on two digits equals the reference,
     even where int16 pair sums would saturate; one copy of the weight stays in memory."""
