@@ -506,3 +506,36 @@ def test_host_prefix_cache_lru_pins_and_drops():
     tier.drop([1])
     assert list(tier.entries) == [b"c"] and 1 not in tier.tokens and tier.pins == {0: 2}
     assert tier.pool.num_free() == 1 and tier.lookup(b"b", (3, 4)) is None
+
+
+def test_swap_space_can_swap_out_and_blocks_needed():
+    """What may go to the host (some computed KV, nothing pending or lent, room), and the device
+    blocks a swap-in takes: one per host block, the rest, and a copy per extra writer of a shared
+    partly filled block."""
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.swap import SwapSpace
+
+    bm = TieredBlockManager(16, 4, False)
+    sw = SwapSpace(HostBlockPool(2), bm)
+    a = Sequence(0, "a", list(range(10)), 10, SamplingParams())
+    bm.allocate(a)  # 3 blocks
+    assert not sw.can_swap_out([a])  # nothing computed
+    for computed, ok in [(3, True), (8, True), (9, False)]:  # 1, 2 (= free), 3 host blocks
+        a.num_computed_tokens = computed
+        assert sw.can_swap_out([a]) is ok, computed
+    a.num_computed_tokens = 8
+    for pending in (bm.cow_pending, bm.lent):
+        pending[a.seq_id] = [(0, 1)]
+        assert not sw.can_swap_out([a])
+        del pending[a.seq_id]
+    b = Sequence(1, "b", list(range(10)), 10, SamplingParams())
+    for computed, tables, want in [
+        (10, ([5, 6, 7], [5, 6, 8]), 4),  # 4 host blocks, no shared tail
+        (10, ([5, 6, 7], [5, 6, 7]), 3 + 1),  # 3 host blocks, a shared partly filled tail
+        (8, ([5, 6], [5, 6]), 2 + 2),  # 2 host blocks, a block each to come, full tails
+    ]:
+        a.num_computed_tokens = b.num_computed_tokens = computed
+        sw.tables = {0: tables[0], 1: tables[1]}
+        assert sw.blocks_needed([a, b]) == want, tables
