@@ -28,7 +28,8 @@ help:
 	@echo "make export      nbdev_export, then ruff format the generated modules (use it instead of nbdev_export)"
 	@echo "make lint        ruff format --check and ruff check over nbs/, hetero_infer/, tests/, .ci/"
 	@echo "make docs-check  render every notebook to HTML (no Quarto) and fail on any error"
-	@echo "make mutation    mutation-test block_manager, scheduler, sampler, engine, core (slow; not part of make test)"
+	@echo "make mutation    mutation-test the core modules (slow; not part of make test);"
+	@echo "                 MUTATION_MODULES=\"structured quant\": groups (Makefile) or modules"
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -95,24 +96,37 @@ test: setup check-sync check-clean check-readme lint nbtest pytest
 # mutmut 3 (config in setup.cfg), module by module, niced; results accumulate in mutants/ (git-ignored), each run's log
 # in mutants/run-MODULE.log. Fails when mutmut fails. Score per module = killed / mutants checked (killed, survived,
 # timeout, suspicious, segfault); "no tests" (no selected test calls the function) and "not checked" are counted apart.
-MUTATION_MODULES ?= kv_cache.block_manager kv_cache.prefix_cache scheduler.scheduler scheduler.output \
-  scheduler.admission sample.sampler sample.penalties engine.llm engine.llm_engine \
+# MUTATION_MODULES names modules (engine.llm_engine) or groups of them (below); default: core.
+MUTATION_GROUP_core := kv_cache.block_manager kv_cache.prefix_cache scheduler.scheduler \
+  scheduler.output scheduler.admission sample.sampler sample.penalties engine.llm engine.llm_engine \
   engine.output_processor engine.request_state engine.prompt_logprobs engine.plugins \
-  engine.tokenization core.sampling_params core.sequence core.outputs core.config core.hpi_config
+  engine.tokenization core.sampling_params core.sequence core.outputs core.config
+MUTATION_GROUP_spec_decode := spec_decode.speculator spec_decode.proposers
+MUTATION_GROUP_parallel := parallel.runner parallel.shards
+MUTATION_GROUP_structured := structured.tool_calls structured.grammar structured.openai \
+  structured.plugin structured.cli
+MUTATION_GROUP_quant := quant.checkpoints quant.int8_matmul quant.quantize quant.plugin quant.kernels
+MUTATION_GROUP_moe := moe.kernels moe.model moe.parallel moe.layer
+MUTATION_GROUP_kv_offload := kv_offload.swap kv_offload.host_pool kv_offload.prefix_tier kv_offload.bench \
+  kv_offload.block_manager kv_offload.scheduler kv_offload.tier kv_offload.plugin
+MUTATION_LATER_GROUPS := spec_decode parallel structured quant moe kv_offload
+MUTATION_GROUP_later := $(foreach g,$(MUTATION_LATER_GROUPS),$(MUTATION_GROUP_$(g)))
+MUTATION_MODULES ?= core
+MUTATION_LIST := $(foreach m,$(MUTATION_MODULES),$(or $(MUTATION_GROUP_$(m)),$(m)))
 mutation: setup
-	@mkdir -p mutants; for m in $(MUTATION_MODULES); do echo "== mutating hetero_infer.$$m (log: mutants/run-$$m.log)"; \
+	@mkdir -p mutants; for m in $(MUTATION_LIST); do echo "== mutating hetero_infer.$$m (log: mutants/run-$$m.log)"; \
 	  CI=true OMP_NUM_THREADS=1 $(TEST_ENV) nice -n 19 $(BIN)/mutmut run --max-children 2 "hetero_infer.$$m.*" \
 	    >mutants/run-$$m.log 2>&1 || { tr '\r' '\n' <mutants/run-$$m.log | tail -40; echo "mutmut run failed for $$m"; exit 1; }; \
 	  echo "mutmut's summary (checked/total over all modules  killed no-tests timeout suspicious survived skipped type-check):"; \
 	  tr '\r' '\n' <mutants/run-$$m.log | grep -E '[0-9]+/[0-9]+ +🎉|mutations/second' | tail -2; done
 	@$(BIN)/mutmut results --all true >mutants/results.txt || { echo "mutmut results failed"; exit 1; }
-	@for m in $(MUTATION_MODULES); do awk -v m="hetero_infer.$$m." 'index($$1,m)==1 { st=$$0; sub(/^[^:]*: /,"",st); c[st]++ } \
+	@for m in $(MUTATION_LIST); do awk -v m="hetero_infer.$$m." 'index($$1,m)==1 { st=$$0; sub(/^[^:]*: /,"",st); c[st]++ } \
 	  END { chk=c["killed"]+c["survived"]+c["timeout"]+c["suspicious"]+c["segfault"]; \
 	    printf "%s: %d/%d checked mutants killed (%.1f%%)  survived %d  timeout %d  suspicious %d  segfault %d | no tests %d  not checked %d  skipped %d\n", \
 	      substr(m,1,length(m)-1), c["killed"], chk, chk ? 100*c["killed"]/chk : 0, c["survived"], c["timeout"], c["suspicious"], \
 	      c["segfault"], c["no tests"], c["not checked"], c["skipped"] }' mutants/results.txt; done
 	@echo "== mutants not killed in these modules (inspect one with: $(BIN)/mutmut show NAME)"; \
-	  for m in $(MUTATION_MODULES); do grep -F "hetero_infer.$$m." mutants/results.txt | grep -Ev ': (killed|not checked)$$' || true; done
+	  for m in $(MUTATION_LIST); do grep -F "hetero_infer.$$m." mutants/results.txt | grep -Ev ': (killed|not checked)$$' || true; done
 
 docs-check: setup
 	$(PY) .ci/docs_check.py

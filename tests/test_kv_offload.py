@@ -438,3 +438,104 @@ def test_llm_takes_vllm_names(tiny_path):
     plain = LLM(str(tiny_path), **CPU, swap_space=4)  # recompute: no tier is built
     assert not any(isinstance(p, KVOffloadPlugin) for p in plain.engine.plugins)
     assert type(plain.engine.scheduler) is Scheduler
+
+
+# --- the host pool and the host prefix tier on their own ---
+
+
+def test_host_pool_sizes_allocates_in_order_and_refuses_by_name():
+    from hetero_infer.kv_offload.host_pool import HostBlockPool, HostPoolFullError, host_num_blocks
+
+    assert host_num_blocks(1, 2**20) == 1024 and host_num_blocks(0.5, 3) == 2**29 // 3
+    for bad in (0, -1, 2.0, None):
+        with pytest.raises(ValueError, match=f"num_blocks must be an integer >= 1, got {bad!r}"):
+            HostBlockPool(bad)
+    pool = HostBlockPool(4)
+    assert repr(pool) == "HostBlockPool(4 of 4 blocks free)"
+    assert pool.alloc(2) == [0, 1] and pool.num_free() == 2
+    pool.free([0])
+    assert pool.alloc(3) == [2, 3, 0] and repr(pool) == "HostBlockPool(0 of 4 blocks free)"
+    pool.free([1])
+    with pytest.raises(HostPoolFullError, match="^2 host blocks asked for, 1 free$"):
+        pool.alloc(2)
+    assert pool.num_free() == 1 and pool.alloc(0) == [] and HostBlockPool(1).alloc(1) == [0]
+
+
+def test_host_pool_attach_and_copy_blocks():
+    "The pool's tensors take the device cache's block shape; copies move blocks, counting bytes."
+    from hetero_infer.kv_offload.host_pool import HostBlockPool, copy_blocks
+
+    dev = [tuple(torch.randn(5, 2, 3, 4) for _ in range(2)) for _ in range(2)]  # 2 layers
+    pool = HostBlockPool(3).attach(dev)
+    assert [[tuple(c.shape) for c in kv] for kv in pool.caches] == [[(3, 2, 3, 4)] * 2] * 2
+    assert not pool.caches[0][0].is_pinned()
+    assert copy_blocks(dev, pool.caches, [], []) == 0
+    assert copy_blocks(dev, pool.caches, [4, 1], [0, 2]) == 2 * 2 * 2 * (2 * 3 * 4) * 4
+    for (dk, dv), (hk, hv) in zip(dev, pool.caches):
+        assert torch.equal(hk[[0, 2]], dk[[4, 1]]) and torch.equal(hv[[0, 2]], dv[[4, 1]])
+    copy_blocks(pool.caches, dev, [2], [0])
+    assert all(torch.equal(d[0], d[1]) for kv in dev for d in kv)
+
+
+def test_host_prefix_cache_lru_pins_and_drops():
+    from hetero_infer.core.sampling_params import SamplingParams
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.prefix_tier import HostPrefixCache
+
+    tier = HostPrefixCache(HostBlockPool(2))
+    assert tier.put(b"a", (1, 2)) == 0 and tier.put(b"b", (3, 4)) == 1
+    assert tier.put(b"a", (1, 2)) is None  # already here: now most recent
+    assert tier.put(b"c", (5, 6)) is None and tier.stats.dropped == 1  # every block pinned
+    tier.unpin(0)
+    assert tier.pins == {1: 1}
+    assert tier.put(b"c", (5, 6)) == 0 and tier.stats.evictions == 1  # "a" was the only unpinned
+    assert tier.lookup(b"a", (1, 2)) is None and tier.lookup(b"c", (5, 7)) is None
+    assert tier.lookup(b"c", (5, 6)) == 0 and tier.stats.hits == 1 and tier.stats.offloaded == 3
+    assert list(tier.entries) == [b"b", b"c"]
+    assert repr(tier).startswith("HostPrefixCache(2 of 2 blocks, HostTierStats(offloaded=3")
+    tier.unpin(0)
+    tier.unpin(1)
+    assert tier.pins == {}
+    seq = Sequence(0, "r", [3, 4, 5, 6, 9], 5, SamplingParams())
+    seq.block_hashes = [b"b", b"c"]
+    assert tier.hits(seq, 0, 2) == [1, 0] and tier.pins == {1: 1, 0: 1}
+    assert tier.hits(seq, 1, 2) == [0] and tier.pins[0] == 2
+    seq.token_ids = [3, 4, 5, 6]  # the last token is never a hit: one full block here
+    assert tier.hits(seq, 0, 2) == [1] and tier.pins[1] == 2
+    tier.drop([1])
+    assert list(tier.entries) == [b"c"] and 1 not in tier.tokens and tier.pins == {0: 2}
+    assert tier.pool.num_free() == 1 and tier.lookup(b"b", (3, 4)) is None
+
+
+def test_swap_space_can_swap_out_and_blocks_needed():
+    """What may go to the host (some computed KV, nothing pending or lent, room), and the device
+    blocks a swap-in takes: one per host block, the rest, and a copy per extra writer of a shared
+    partly filled block."""
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.swap import SwapSpace
+
+    bm = TieredBlockManager(16, 4, False)
+    sw = SwapSpace(HostBlockPool(2), bm)
+    a = Sequence(0, "a", list(range(10)), 10, SamplingParams())
+    bm.allocate(a)  # 3 blocks
+    assert not sw.can_swap_out([a])  # nothing computed
+    for computed, ok in [(3, True), (8, True), (9, False)]:  # 1, 2 (= free), 3 host blocks
+        a.num_computed_tokens = computed
+        assert sw.can_swap_out([a]) is ok, computed
+    a.num_computed_tokens = 8
+    for pending in (bm.cow_pending, bm.lent):
+        pending[a.seq_id] = [(0, 1)]
+        assert not sw.can_swap_out([a])
+        del pending[a.seq_id]
+    b = Sequence(1, "b", list(range(10)), 10, SamplingParams())
+    for computed, tables, want in [
+        (10, ([5, 6, 7], [5, 6, 8]), 4),  # 4 host blocks, no shared tail
+        (10, ([5, 6, 7], [5, 6, 7]), 3 + 1),  # 3 host blocks, a shared partly filled tail
+        (8, ([5, 6], [5, 6]), 2 + 2),  # 2 host blocks, a block each to come, full tails
+    ]:
+        a.num_computed_tokens = b.num_computed_tokens = computed
+        sw.tables = {0: tables[0], 1: tables[1]}
+        assert sw.blocks_needed([a, b]) == want, tables

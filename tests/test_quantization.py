@@ -3,6 +3,7 @@ the CPU int8 paths and the Triton kernel (interpreter on CPU) against a dequanti
 W8A8's recorded fallback, fp8 KV helpers, and refusals naming the field."""
 
 import copy
+import re
 import pytest
 import torch
 import torch.nn as nn
@@ -118,6 +119,15 @@ def test_triton_int8_matmul_interpreter(M, K, N, dtype):
     y = triton_int8_matmul(x, q.to(dev), s[:, 0].to(dev))
     assert y.dtype == dtype and y.shape == (M, N)
     assert _rel(y.cpu(), _ref(x.cpu(), q, s)) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_int8_matmul_tiles():
+    "16-row tiles up to 16 rows (decode), 64 beyond; a 32-wide K step in fp32 (no spills)."
+    from hetero_infer.quant.kernels import int8_matmul_tiles
+
+    assert int8_matmul_tiles(16) == (16, 64, 64) and int8_matmul_tiles(17) == (64, 64, 64)
+    assert int8_matmul_tiles(1, torch.float32) == (16, 64, 32)
+    assert int8_matmul_tiles(300, torch.bfloat16) == (64, 64, 64)
 
 
 def test_fbgemm_path_is_exact_and_keeps_one_copy():
@@ -625,3 +635,141 @@ def test_cli_quantize_lm_head_flag():
     a = p.parse_args(["generate", "--quantization", "int8", "--no-quantize-lm-head", "x"])
     assert engine_config(a).quantize_lm_head is False and engine_config(a).quantization == "int8"
     assert engine_config(p.parse_args(["serve"])).quantize_lm_head is True  # the default
+
+
+@pytest.fixture(scope="module")
+def ct_qwen2(tmp_path_factory):
+    "A tiny random Qwen2 (q/k/v with biases) and its compressed-tensors w8a16 checkpoint."
+    import contextlib
+    import io
+    from hetero_infer.quant.checkpoints import write_compressed_checkpoint
+    from hetero_infer.testing import tiny_hf_checkpoint
+
+    d = tmp_path_factory.mktemp("ct-qwen2")
+    src = tiny_hf_checkpoint(d / "float", "qwen2", seed=4)
+    assert src.model.layers[0].self_attn.q_proj.bias is not None
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        return write_compressed_checkpoint(copy.deepcopy(src), d / "w8a16", "w8a16")
+
+
+def test_compressed_checkpoint_with_qkv_biases_loads_them(ct_qwen2):
+    """A pre-quantized Qwen2 keeps its q/k/v biases in the int8 layers, and greedy decoding
+    follows the model transformers decompresses the checkpoint to, token for token."""
+    import contextlib
+    import io
+    from transformers import AutoModelForCausalLM
+    from hetero_infer.model.loading import load_model
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        theirs = AutoModelForCausalLM.from_pretrained(ct_qwen2, dtype=torch.float32).eval()
+    ours = load_model(ct_qwen2)
+    for i, layer in enumerate(ours.layers):
+        qkv, attn = layer.self_attn.qkv_proj, theirs.model.layers[i].self_attn
+        assert isinstance(qkv, QuantizedLinear) and qkv.bias is not None
+        ref = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
+        assert ref.abs().max() > 0.1  # random biases, far from zero
+        assert torch.equal(qkv.bias.detach().float(), ref), i
+    _, got = _greedy(str(ct_qwen2), n=4, max_tokens=6, dtype="float32")
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(4)]
+    for p, g in zip(prompts, got):
+        with torch.no_grad():
+            ids = theirs.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)
+        assert g == ids[0, len(p) :].tolist(), p
+
+
+# --- `checkpoint_scheme` on config dicts: what is accepted, and every refusal by name ---
+
+W_INT = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+A_INT = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+
+
+def _qc(group=None, **top):
+    "A compressed-tensors `config.json` dict with one group (int8 weights, per channel)."
+    group = {"weights": W_INT} if group is None else group
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    return {"quantization_config": {**qc, "config_groups": {"group_0": group}, **top}}
+
+
+@pytest.mark.parametrize(
+    "cfg,weights,acts,mode",
+    [
+        (_qc(), "int", None, "int8"),
+        (_qc({"weights": W_INT, "input_activations": A_INT}), "int", "int", "w8a8"),
+        (
+            _qc({"weights": {**W_INT, "strategy": "tensor"}, "input_activations": None}),
+            "int",
+            None,
+            "int8",
+        ),
+        (
+            _qc({"weights": {k: v for k, v in W_INT.items() if k != "symmetric"}}),
+            "int",
+            None,
+            "int8",
+        ),
+        (
+            _qc(
+                {
+                    "weights": {**W_INT, "type": "float"},
+                    "input_activations": {**A_INT, "type": "float", "strategy": "tensor"},
+                },
+                format="float-quantized",
+            ),
+            "float",
+            "float",
+            None,
+        ),
+        (_qc({"weights": W_INT, "format": "naive-quantized"}, format=None), "int", None, "int8"),
+        (_qc(kv_cache_scheme=None, sparsity_config={}), "int", None, "int8"),
+    ],
+)
+def test_checkpoint_scheme_accepts(cfg, weights, acts, mode):
+    from hetero_infer.quant.checkpoints import CheckpointScheme, checkpoint_scheme
+
+    s = checkpoint_scheme(cfg)
+    assert s == CheckpointScheme(weights, acts) and s.mode == mode
+
+
+@pytest.mark.parametrize(
+    "cfg,why",
+    [
+        ({"quantization_config": "int8"}, "'int8'"),
+        (_qc(quant_method="fp8"), "quant_method 'fp8'"),
+        (_qc(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
+        (_qc(sparsity_config={"format": "sparse-24"}), "sparsity"),
+        (_qc(transform_config={"x": 1}), "sparsity"),
+        (
+            {"quantization_config": {**_qc()["quantization_config"], "config_groups": {}}},
+            "no config_groups",
+        ),
+        (_qc(format=None), "format None"),
+        (_qc({"weights": {**W_INT, "num_bits": 4}}), "4-bit int weights"),
+        (_qc({"weights": {**W_INT, "type": "bool"}}), "8-bit bool weights"),
+        (_qc({"weights": {**W_INT, "symmetric": False}}), "asymmetric or dynamic weights"),
+        (_qc({"weights": {**W_INT, "dynamic": True}}), "asymmetric or dynamic weights"),
+        (_qc({"weights": W_INT, "output_activations": A_INT}), "output activations"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "dynamic": False}}), "static"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "num_bits": 4}}), "static"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "type": "float"}}), "static"),
+        (_qc({"weights": W_INT, "input_activations": {**A_INT, "strategy": "group"}}), "static"),
+    ],
+)
+def test_checkpoint_scheme_refuses_by_name(cfg, why):
+    from hetero_infer.quant.checkpoints import checkpoint_scheme
+
+    with pytest.raises(ValueError, match=f"unsupported quantization_config: {re.escape(why)}"):
+        checkpoint_scheme(cfg)
+
+
+def test_checkpoint_scheme_of_several_groups():
+    "Groups with the same scheme are one scheme; different ones are refused; none is None."
+    from hetero_infer.quant.checkpoints import checkpoint_scheme
+
+    cfg = _qc()
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_1"] = {"weights": W_INT}
+    assert checkpoint_scheme(cfg).mode == "int8"
+    groups["group_1"] = {"weights": W_INT, "input_activations": A_INT}
+    with pytest.raises(ValueError, match="several different schemes"):
+        checkpoint_scheme(cfg)
+    assert checkpoint_scheme({"model_type": "llama"}) is None

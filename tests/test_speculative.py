@@ -499,6 +499,57 @@ def test_a_failed_step_takes_its_proposals_back_and_the_retry_gives_the_same_out
     assert eng.block_manager.num_free_blocks() == eng.config.num_blocks
 
 
+def test_a_request_failing_while_speculating_ends_without_unverified_tokens():
+    """Every forward pass from the first speculating step on raises: before each retry the
+    step's proposals have left the sequence; past max_retry_attempts the request ends in "error"
+    with only the tokens verified before the failures, and every block comes back."""
+    from hetero_infer.testing import fail_forward
+
+    q = format_prompt("sort: a b c d e f g h")
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    want = demo().generate([q], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    def run(fail_from=None):
+        "Step the request to its end; per forward pass, (proposals, verified output tokens)."
+        llm = demo(speculative_method="ngram", num_speculative_tokens=4, max_retry_attempts=2)
+        eng = llm.engine
+        spec = next(p for p in eng.plugins if isinstance(p, Speculator))
+        passes = []
+
+        def spy(module, args):
+            s = eng.requests["r"].seqs[0]
+            k = spec.proposals.num.get(s.seq_id, 0)
+            passes.append((k, s.num_output_tokens - k))
+
+        hooks = [eng.runner.model.register_forward_pre_hook(spy)]
+        if fail_from is not None:
+            hooks.append(fail_forward(eng.runner.model, set(range(fail_from, 100)))[0])
+        eng.add_request("r", q, sp)
+        outs, seq = [], eng.requests["r"].seqs[0]
+        try:
+            while eng.has_unfinished_requests():
+                outs += eng.step()
+                if eng.counters["failed_steps"] and "r" in eng.requests:  # a retry comes
+                    assert not spec.proposals.seqs
+                    assert seq.output_token_ids == want[: seq.num_output_tokens]
+        finally:
+            for h in hooks:
+                h.remove()
+        return eng, spec, passes, outs
+
+    _, _, passes, _ = run()
+    first = next(i for i, (k, _) in enumerate(passes) if k)  # the first speculating pass
+    eng, spec, failed, outs = run(first + 1)
+    assert failed[first:] == [passes[first]] * 3  # it and its two retries carry proposals
+    out = outs[-1]
+    assert out.finished and [o.request_id for o in outs if o.finished] == ["r"]
+    assert out.outputs[0].finish_reason == "error" and eng.counters["failed_steps"] == 3
+    assert out.outputs[0].token_ids == want[: passes[first][1]]  # verified tokens, no proposal
+    assert out.outputs[0].text == eng.tokenizer.decode(out.outputs[0].token_ids)
+    assert not spec.proposals.seqs
+    assert eng.block_manager.num_free_blocks() == eng.config.num_blocks
+
+
 def test_the_metrics_lines():
     llm = demo(speculative_method="ngram", num_speculative_tokens=4)
     llm.generate([format_prompt("sort: a b c d e f g h")], SamplingParams(max_tokens=12))

@@ -380,6 +380,14 @@ def test_validate_tools_defaults_parameters():
             '{"name": "f", "parameters": {}} and more',
             [],
         ),
+        # llama3_json calls may name their arguments "arguments", as Hermes' do
+        ('{"name": "f", "arguments": {"x": 1}}', "llama3_json", None, [("f", {"x": 1})]),
+        (
+            '<|python_tag|>{"name": "f", "arguments": {"s": "a"}}; {"name": "g", "parameters": {}}',
+            "llama3_json",
+            None,
+            [("f", {"s": "a"}), ("g", {})],
+        ),
         ('{"answer": 42}', "llama3_json", '{"answer": 42}', []),
         ("The answer is 42.", "llama3_json", "The answer is 42.", []),
     ],
@@ -627,3 +635,150 @@ def test_readme_choice_command(capsys):
     assert out in (f"'reverse: a b c d' -> {c!r} (stop)" for c in ("a b c d", "d c b a")), out
     assert main(["generate", "--choice", "yes"]) == 2  # the choices and no prompt
     assert "--choice" in capsys.readouterr().err
+
+
+# --- tool_calls' pure functions, exactly: messages, defaults and the schemas of tool_choice ---
+
+
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        ([], "tools: must be a non-empty list"),
+        ([WEATHER, "f"], 'tools[1]: must be {"type": "function", "function": {...}}'),
+        ([{"type": "retrieval", "function": {"name": "f"}}], "tools[0]: must be"),
+        ([{"type": "function", "function": "f"}], "tools[0]: must be"),
+        ([{"type": "function", "function": {}}], "tools[0].function.name: None is not 1-64 of"),
+        ([{"function": {"name": "x" * 65}}], "tools[0].function.name: 'xxxx"),
+        ([WEATHER, WEATHER], "tools[1].function.name: 'get_weather' appears twice"),
+        (
+            [{"function": {"name": "f", "parameters": {"type": "nope"}}}],
+            "tools[0].function.parameters: ",
+        ),
+    ],
+)
+def test_validate_tools_messages(tools, message):
+    with pytest.raises(ValueError) as e:
+        validate_tools(tools)
+    assert str(e.value).startswith(message), str(e.value)
+    assert "json" not in str(e.value).split(": ")[1]  # the field named once, not twice
+
+
+def test_validate_tools_keeps_fields_and_takes_a_missing_type():
+    t = {"function": {"name": "a-b_9", "description": "d", "parameters": {"type": "object"}}}
+    assert validate_tools([t]) == [{"type": "function", **t}]
+    assert validate_tools([{"function": {"name": "x" * 64}}])[0]["function"]["name"] == "x" * 64
+
+
+@pytest.mark.parametrize(
+    "choice, tools, want",
+    [
+        (None, [WEATHER], "auto"),
+        (None, None, "none"),
+        ("none", None, "none"),
+        ("none", [WEATHER], "none"),
+        ("auto", [WEATHER], "auto"),
+        ("required", [WEATHER], "required"),
+        ({"type": "function", "function": {"name": "convert"}}, [WEATHER, CONVERT], "convert"),
+        ("auto", None, "tool_choice: 'auto' needs a non-empty `tools`"),
+        ("required", [], "tool_choice: 'required' needs a non-empty `tools`"),
+        ({"function": {"name": "convert"}}, [CONVERT], "tool_choice: must be"),
+        ({"type": "function", "function": {"name": "x"}}, [CONVERT], "tool_choice: function 'x'"),
+        ({"type": "function", "function": "convert"}, [CONVERT], "tool_choice: must be"),
+    ],
+)
+def test_validate_tool_choice(choice, tools, want):
+    if want.startswith("tool_choice"):
+        with pytest.raises(ValueError, match=re.escape(want)):
+            validate_tool_choice(choice, tools)
+    else:
+        assert validate_tool_choice(choice, tools) == want
+
+
+def test_tool_choice_schemas():
+    "'required': an array of calls (one at most without parallel calls); named: its parameters."
+    from hetero_infer.structured.tool_calls import tool_choice_schema
+
+    tools = validate_tools([WEATHER, CONVERT])
+    assert tool_choice_schema(tools, "none") is None and tool_choice_schema(tools, "auto") is None
+    assert tool_choice_schema(tools, "convert") == CONVERT["function"]["parameters"]
+    call = {
+        "type": "object",
+        "properties": {
+            "name": {"enum": ["convert"]},
+            "parameters": CONVERT["function"]["parameters"],
+        },
+        "required": ["name", "parameters"],
+    }
+    many = tool_choice_schema(tools, "required")
+    assert many["type"] == "array" and many["minItems"] == 1 and "maxItems" not in many
+    assert many["items"]["anyOf"][1] == call and len(many["items"]["anyOf"]) == 2
+    assert tool_choice_schema(tools, "required", False) == {**many, "maxItems": 1}
+    p = tool_choice_params([CONVERT], "required", parallel_tool_calls=False)
+    assert p.json["maxItems"] == 1
+
+
+def test_tool_call_and_constrained_calls():
+    from hetero_infer.structured.tool_calls import tool_call
+
+    c = tool_call("f", {"s": "é"}, "call_1")
+    assert c == {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"s": "é"}'},
+    }
+    assert tool_call("f", '{"a": 1}')["function"]["arguments"] == '{"a": 1}'
+    assert re.fullmatch(r"call_[0-9a-f]{24}", tool_call("f", {})["id"])
+    got = constrained_tool_calls(
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', "required"
+    )
+    assert [(g["function"]["name"], g["function"]["arguments"]) for g in got] == [
+        ("a", '{"x": 1}'),
+        ("b", "{}"),
+    ]
+    (one,) = constrained_tool_calls('{"amount": 3}', "convert")
+    assert one["function"] == {"name": "convert", "arguments": '{"amount": 3}'}
+
+
+@pytest.mark.parametrize(
+    "text, fmt, content, calls",
+    [
+        (
+            '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+            "hermes",
+            '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+            [],
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call> x',
+            "hermes",
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call> x',
+            [],
+        ),
+        ('<tool_call>{"name": "f"}</tool_call>', "hermes", None, [("f", "{}")]),
+        (
+            '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+            "hermes",
+            None,
+            [("f", '{"a": 1}')],
+        ),
+        ('  {"name": "f", "parameters": {"a": 1}}  ;  ', "llama3_json", None, [("f", '{"a": 1}')]),
+        ('{"name": "f"}', "llama3_json", None, [("f", "{}")]),
+        (
+            '{"name": "f", "parameters": {}} {',
+            "llama3_json",
+            '{"name": "f", "parameters": {}} {',
+            [],
+        ),
+        ("  \n ", "llama3_json", None, []),
+        ("  \n ", "hermes", None, []),
+    ],
+)
+def test_parse_tool_calls_edges(text, fmt, content, calls):
+    got_content, got = parse_tool_calls(text, fmt)
+    assert got_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+
+
+def test_parse_tool_calls_refuses_an_unknown_format():
+    with pytest.raises(ValueError, match="tool_call_parser: 'xml' is not one of"):
+        parse_tool_calls("x", "xml")

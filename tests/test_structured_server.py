@@ -259,6 +259,7 @@ def test_response_format_and_structured_outputs(client):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "structured_outputs"),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
@@ -446,3 +447,90 @@ def test_a_named_call_cut_by_a_stop_string_streams_as_it_answers(client):
             calls += c.delta.tool_calls or []
             reason = c.finish_reason or reason
     assert (reason, text, calls) == ("stop", '{"a"', [])
+
+
+# Streamed "auto" tool calls, without a model: scripted engine outputs through the server's SSE
+# generator, the text cut into two chunks at every position.
+CALL_TEXT = 'Sure <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+class ScriptedHandlers:
+    "The parts of OpenAIHandlers `chat_events` reads: a stream of outputs whose text grows."
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    async def streams(self, rids):
+        from hetero_infer.core.outputs import CompletionOutput, RequestOutput
+
+        text = ""
+        for i, chunk in enumerate(self.chunks):
+            text += chunk
+            last = i == len(self.chunks) - 1
+            out = CompletionOutput(
+                0, text, list(range(i + 1)), finish_reason="stop" if last else None
+            )
+            yield "r", RequestOutput("r", None, [1], [out], finished=last)
+
+
+def stream_chat(chunks, fmt="hermes"):
+    "(content, tool calls, finish_reason) of a streamed auto-tool-call chat whose text is `chunks`."
+    import asyncio
+    from types import SimpleNamespace
+
+    from hetero_infer.server.handlers import chat_events
+    from hetero_infer.structured.openai import ToolCallStream
+
+    req = SimpleNamespace(stream_options=None, logprobs=False, top_logprobs=None)
+    events = chat_events(
+        ScriptedHandlers(chunks), req, ["r"], [1], {}, [ToolCallStream("auto", fmt)]
+    )
+
+    async def collect():
+        return [e async for e in events]
+
+    content, calls, reason = "", {}, None
+    for e in asyncio.run(collect()):
+        if e.startswith("data: {"):
+            choice = json.loads(e[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for c in choice["delta"].get("tool_calls", []):
+                calls.setdefault(c["index"], []).append(c)
+            reason = choice["finish_reason"] or reason
+    return content, calls, reason
+
+
+@pytest.mark.parametrize("cut", range(1, len(CALL_TEXT)))
+def test_streamed_auto_tool_call_with_its_tag_cut_anywhere(cut):
+    """Hermes `<tool_call>` output streamed in two chunks cut at any character (`Sure <` then
+    `tool_call>{...}`) is one tool call ending "tool_calls"; only the text before the tag is
+    content."""
+    content, calls, reason = stream_chat([CALL_TEXT[:cut], CALL_TEXT[cut:]])
+    assert reason == "tool_calls"
+    assert content == "Sure "
+    assert list(calls) == [0] and len(calls[0]) == 1
+    fn = calls[0][0]["function"]
+    assert fn["name"] == "add" and json.loads(fn["arguments"]) == {"a": 1, "b": 2}
+
+
+def test_streamed_text_that_only_looks_like_a_tag_is_content():
+    "A `<` that never becomes `<tool_call>` is held only until it cannot, then sent as content."
+    text = "a <tool b <t"
+    content, calls, reason = stream_chat([text[:3], text[3:9], text[9:]])
+    assert (content, calls, reason) == (text, {}, "stop")
+
+
+def test_a_partial_tag_is_held_back_until_it_resolves():
+    "`feed` sends text up to a possible start of `<tool_call>` and holds the rest."
+    from hetero_infer.structured.openai import ToolCallStream
+
+    s = ToolCallStream("auto", "hermes")
+    assert s.feed("Sure <") == {"content": "Sure "}
+    assert s.feed("tool") == {}
+    assert s.feed("_ca") == {}
+    assert s.feed("ll>{") == {} and s.held
+    s = ToolCallStream("auto", "hermes")
+    assert s.feed("x<tool_") == {"content": "x"}
+    assert s.feed("x") == {"content": "<tool_x"}
+    assert s.feed("<") == {}
+    assert s.finish("length") == ({"content": "<"}, "length")

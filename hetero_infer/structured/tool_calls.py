@@ -73,8 +73,9 @@ def validate_tool_choice(tool_choice: typing.Any, tools: list[dict] | None) -> s
         if tool_choice != "none" and not names:
             raise ValueError(f"tool_choice: {tool_choice!r} needs a non-empty `tools`")
         return tool_choice
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or name is None:
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if name is None or tool_choice.get("type") != "function":  # name: None unless a dict
         raise ValueError(
             'tool_choice: must be "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}'
