@@ -347,7 +347,7 @@ def check_structured_outputs(params) -> None:
         )
     unknown = sorted(set(value) - set(_FIELDS))
     if unknown:
-        raise ValueError(f"structured_outputs: unknown field(s) {unknown}; known: {list(_FIELDS)}")
+        raise ValueError(f"structured_outputs unknown field(s) {unknown}; known: {list(_FIELDS)}")
     params.structured_outputs = StructuredOutputsParams(**value)
 
 
