@@ -4,14 +4,12 @@
 
 # %% ../../nbs/18_multi_head_latent_attention.ipynb #870e7f88
 from __future__ import annotations
-import json
-from pathlib import Path
 from ..attention.triton.targets import register_kernel_specs
 from ..core.config import register_config_check
 from ..model.layers import ModelConfig, register_mlp
 from ..model.loading import no_windows, register_architecture, register_load_hook
 from ..parallel.shards import register_sharder
-from ..moe.model import EXPERT_ARCHITECTURES
+from ..moe.model import EXPERT_ARCHITECTURES, checkpoint_architecture
 from ..testing import DUMMY_CONFIGS
 from .attention import MLAttention
 from .cache import latent_cache_shapes
@@ -107,18 +105,10 @@ def skip_mtp_layers(model, ckpt):
     return (extra, lambda model: None) if extra else None
 
 
-def _architecture(config) -> str | None:
-    "The checkpoint class of `config.model`; None before the engine resolves the demo model."
-    f = Path(config.model) / "config.json" if config.model is not None else None
-    if f is None or not f.exists():
-        return None
-    return (json.loads(f.read_text()).get("architectures") or [None])[0]
-
-
 @register_config_check
 def check_mla_fields(config) -> None:
     "Refuse, by field, what a DeepSeek model does not compose with yet."
-    arch = _architecture(config)
+    arch = checkpoint_architecture(config)
     if arch not in DEEPSEEK_ARCHITECTURES:
         return
     if config.quantization:

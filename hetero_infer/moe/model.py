@@ -24,6 +24,7 @@ __all__ = [
     "qwen2_moe_windows",
     "moe_config",
     "moe_block",
+    "checkpoint_architecture",
     "check_moe_fields",
     "fused_moe_specs",
 ]
@@ -76,7 +77,7 @@ def moe_block(c: ModelConfig, layer: int) -> MoEBlock | None:
 
 
 # %% ../../nbs/16_mixture_of_experts.ipynb #9c121d20
-def _architecture(config) -> str | None:
+def checkpoint_architecture(config) -> str | None:
     "The checkpoint class of `config.model`; None before the engine resolves the demo model."
     f = Path(config.model) / "config.json" if config.model is not None else None
     if f is None or not f.exists():
@@ -91,7 +92,7 @@ EXPERT_ARCHITECTURES = set(MOE_ARCHITECTURES)  # every class with expert layers:
 @register_config_check
 def check_moe_fields(config) -> None:
     "enable_expert_parallel needs a MoE checkpoint; quantization does not take one yet."
-    ep, arch = config.enable_expert_parallel, _architecture(config)
+    ep, arch = config.enable_expert_parallel, checkpoint_architecture(config)
     if not isinstance(ep, bool):
         raise ValueError(f"enable_expert_parallel must be a bool, got {ep!r}")
     if ep and config.model is not None and arch not in EXPERT_ARCHITECTURES:
