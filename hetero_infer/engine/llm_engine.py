@@ -19,10 +19,10 @@ from ..core.sequence import Sequence
 from hetero_infer.engine.output_processor import (
     OutputProcessor,
     abort_requests,
-    fail_all,
+    before_schedule,
     fail_step,
 )
-from .plugins import PLUGINS, EngineDeadError
+from .plugins import PLUGINS
 from hetero_infer.engine.prompt_logprobs import (
     ask_prompt_logits,
     prompt_targets,
@@ -137,11 +137,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         "One step: schedule, execute, sample, update, outputs (and those of aborts since the last)."
         outputs = self.output.take_aborted()
-        try:
-            self.hook("before_schedule")
-        except EngineDeadError as e:  # a part broke for good: end every request, then say so
-            e.outputs = outputs + fail_all(self, e)
-            raise
+        before_schedule(self, outputs)  # a part broken for good ends every request, and raises
         sched = self.scheduler.schedule()
         self.hook("after_schedule", sched)
         ask_prompt_logits(sched)  # requests scoring their prompt: a row per prompt token

@@ -8,11 +8,19 @@ import time
 
 from ..core.outputs import RequestMetrics, RequestOutput
 from ..core.sequence import Sequence, SequenceStatus
+from .plugins import EngineDeadError
 from .request_state import RequestState
 from ..scheduler.output import SchedulerOutput
 
 # %% auto #0
-__all__ = ["OutputProcessor", "abort_requests", "fail_request", "fail_step", "fail_all"]
+__all__ = [
+    "OutputProcessor",
+    "abort_requests",
+    "fail_request",
+    "fail_step",
+    "fail_all",
+    "before_schedule",
+]
 
 
 # %% ../../nbs/07_engine.ipynb #e51e11bf
@@ -159,3 +167,12 @@ def fail_all(engine, err: Exception) -> list[RequestOutput]:
     "The engine broke for good: every request it holds ends with `err` as its error."
     engine.last_error = err
     return [fail_request(engine, rid, str(err)) for rid in list(engine.requests)]
+
+
+def before_schedule(engine, outputs: list) -> None:
+    "Plugins' `before_schedule`; when one raises `EngineDeadError`, every request ends with it."
+    try:
+        engine.hook("before_schedule")
+    except EngineDeadError as e:  # its `outputs`: those already due, then the ended requests'
+        e.outputs = outputs + fail_all(engine, e)
+        raise
