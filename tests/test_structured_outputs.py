@@ -705,11 +705,12 @@ def test_tool_choice_schemas():
         "type": "object",
         "properties": {
             "name": {"enum": ["convert"]},
-            "parameters": CONVERT["function"]["parameters"],
+            "parameters": {"$ref": "#/$defs/convert"},  # each tool's schema once, in $defs
         },
         "required": ["name", "parameters"],
     }
     many = tool_choice_schema(tools, "required")
+    assert many["$defs"]["convert"] == CONVERT["function"]["parameters"]
     assert many["type"] == "array" and many["minItems"] == 1 and "maxItems" not in many
     assert many["items"]["anyOf"][1] == call and len(many["items"]["anyOf"]) == 2
     assert tool_choice_schema(tools, "required", False) == {**many, "maxItems": 1}
