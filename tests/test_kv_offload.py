@@ -451,7 +451,7 @@ def test_host_pool_sizes_allocates_in_order_and_refuses_by_name():
         with pytest.raises(ValueError, match=f"num_blocks must be an integer >= 1, got {bad!r}"):
             HostBlockPool(bad)
     pool = HostBlockPool(4)
-    assert repr(pool) == "HostBlockPool(4 of 4 blocks free)"
+    assert repr(pool) == "HostBlockPool(4 of 4 blocks free)" and pool.caches == []
     assert pool.alloc(2) == [0, 1] and pool.num_free() == 2
     pool.free([0])
     assert pool.alloc(3) == [2, 3, 0] and repr(pool) == "HostBlockPool(0 of 4 blocks free)"
@@ -490,6 +490,7 @@ def test_host_prefix_cache_lru_pins_and_drops():
     tier.unpin(0)
     assert tier.pins == {1: 1}
     assert tier.put(b"c", (5, 6)) == 0 and tier.stats.evictions == 1  # "a" was the only unpinned
+    assert tier.put(b"d", (7, 8)) is None and tier.stats.dropped == 2
     assert tier.lookup(b"a", (1, 2)) is None and tier.lookup(b"c", (5, 7)) is None
     assert tier.lookup(b"c", (5, 6)) == 0 and tier.stats.hits == 1 and tier.stats.offloaded == 3
     assert list(tier.entries) == [b"b", b"c"]
@@ -506,6 +507,13 @@ def test_host_prefix_cache_lru_pins_and_drops():
     tier.drop([1])
     assert list(tier.entries) == [b"c"] and 1 not in tier.tokens and tier.pins == {0: 2}
     assert tier.pool.num_free() == 1 and tier.lookup(b"b", (3, 4)) is None
+    tier.unpin(0)
+    tier.unpin(0)
+    assert tier.put(b"e", (1, 1)) == 1 and tier.put(b"f", (2, 2)) == 0
+    assert tier.stats.evictions == 2 and list(tier.entries) == [b"e", b"f"]
+    tier.unpin(1)
+    tier.drop([1])  # unpinned: dropped all the same
+    assert list(tier.entries) == [b"f"] and tier.pins == {0: 1} and tier.pool.num_free() == 1
 
 
 def test_swap_space_can_swap_out_and_blocks_needed():
@@ -539,3 +547,29 @@ def test_swap_space_can_swap_out_and_blocks_needed():
         a.num_computed_tokens = b.num_computed_tokens = computed
         sw.tables = {0: tables[0], 1: tables[1]}
         assert sw.blocks_needed([a, b]) == want, tables
+
+
+def test_tiered_block_manager_restore():
+    """A swap-in takes one device block per distinct host block (shared ones shared) and the rest
+    of each sequence's blocks; it fits exactly when as many blocks are free, else it is refused."""
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_cache.block_manager import NoFreeBlocksError
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+
+    bm = TieredBlockManager(5, 4, False)
+    assert not bm.cache.enabled and bm.host is None
+    a = Sequence(0, "a", list(range(10)), 10, SamplingParams())
+    b = Sequence(1, "b", list(range(10)), 10, SamplingParams())
+    tables = [[7, 8], [7, 9]]
+    assert bm.restore_needed([a, b], tables) == 3 + 2
+    bm.take()  # 4 free: one short
+    with pytest.raises(NoFreeBlocksError, match="^5 blocks needed to swap in, 4 free$"):
+        bm.restore([a, b], tables)
+    bm = TieredBlockManager(5, 4, False)
+    copies = bm.restore([a, b], tables)
+    assert [h for h, _ in copies] == [7, 8, 9] and bm.num_free_blocks() == 0
+    dev = dict(copies)
+    assert a.block_table[:2] == [dev[7], dev[8]] and b.block_table[:2] == [dev[7], dev[9]]
+    assert len(a.block_table) == len(b.block_table) == 3  # the third: tokens 8-9, to compute
+    assert bm.blocks[dev[7]].ref_count == 2 and bm.blocks[dev[8]].ref_count == 1
+    assert bm.seqs == {0: a, 1: b}
