@@ -573,3 +573,49 @@ def test_tiered_block_manager_restore():
     assert len(a.block_table) == len(b.block_table) == 3  # the third: tokens 8-9, to compute
     assert bm.blocks[dev[7]].ref_count == 2 and bm.blocks[dev[8]].ref_count == 1
     assert bm.seqs == {0: a, 1: b}
+
+
+def test_tiered_block_manager_offloads_evictions_and_reloads_host_hits():
+    """Cached blocks evicted for another request go to the host; a request with their prefix
+    finds them there: reloads to copy, its tokens computed, and once the copies ran the device
+    blocks are prefix-cache hits again (after a failed copy they are not)."""
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_cache.block_manager import NoFreeBlocksError
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.prefix_tier import HostPrefixCache
+
+    def seq(i, toks):
+        return Sequence(i, str(i), list(toks), len(toks), SamplingParams())
+
+    for ok in (True, False):
+        bm = TieredBlockManager(3, 4, True, host=HostPrefixCache(HostBlockPool(4)))
+        a = seq(0, range(9))
+        bm.allocate(a)
+        bm.commit(a, 9)  # two full blocks published
+        bm.free(a)
+        c = seq(1, range(100, 109))
+        bm.allocate(c)  # evicts both cached blocks: to the host first
+        offloads, reloads, reloaded = bm.take_transfers()
+        assert len(offloads) == 2 and reloads == [] and reloaded == []
+        bm.transfers_done(offloads, [])
+        assert bm.host.pins == {}
+        with pytest.raises(NoFreeBlocksError):
+            bm.allocate(seq(9, range(9)))  # does not fit: no host block pinned for it
+        assert bm.host.pins == {}
+        bm.free(c)
+        bm.stats.cached_tokens = 5
+        b = seq(2, range(9))
+        bm.allocate(b)
+        offloads, reloads, reloaded = bm.take_transfers()
+        assert [d for _, d in reloads] == b.block_table[:2] and reloaded == [b]
+        assert b.num_computed_tokens == b.num_cached_tokens == 8 and bm.stats.cached_tokens == 13
+        assert sorted(bm.host.pins) == sorted(h for h, _ in reloads)
+        bm.transfers_done(offloads, reloads, ok)
+        assert bm.host.pins == {}
+        blocks = [bm.blocks[d] for _, d in reloads]
+        if ok:
+            assert [blk.token_ids for blk in blocks] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+            assert [bm.cache.cached[blk.hash] for blk in blocks] == b.block_table[:2]
+        else:
+            assert [blk.hash for blk in blocks] == [None, None]
