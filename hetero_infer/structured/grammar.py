@@ -20,9 +20,11 @@ from ..core.sampling_params import register_params_check
 # %% auto #0
 __all__ = [
     "UNSUPPORTED_SCHEMA_KEYWORDS",
+    "DATE_PATTERN",
     "CHECK_SECONDS",
     "unsupported_schema_keywords",
     "declared_required",
+    "calendar_dates",
     "json_schema_grammar",
     "choice_grammar",
     "StructuredOutputsParams",
@@ -151,26 +153,52 @@ def unsupported_schema_keywords(schema: Any, path: str = "", root: Any = None) -
 
 
 # %% ../../nbs/14_structured_outputs.ipynb #1a1ac7ec
+def _map_subschemas(schema: dict, fn) -> dict:
+    "A copy of `schema` with each of its direct subschemas replaced by `fn(subschema)`."
+    s = dict(schema)
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(s.get(k), dict):
+            s[k] = {name: fn(v) for name, v in s[k].items()}
+    for k in _SUBSCHEMA_ONE:
+        if k in s:
+            s[k] = fn(s[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(s.get(k), list):
+            s[k] = [fn(v) for v in s[k]]
+    return s
+
+
 def declared_required(schema: Any) -> Any:
     "A copy of `schema` where each object declares the properties it requires."
     if not isinstance(schema, dict):
         return schema
-    s = dict(schema)
-    for k in _SUBSCHEMA_MAPS:
-        if isinstance(s.get(k), dict):
-            s[k] = {name: declared_required(v) for name, v in s[k].items()}
-    for k in _SUBSCHEMA_ONE:
-        if k in s:
-            s[k] = declared_required(s[k])
-    for k in _SUBSCHEMA_LISTS:
-        if isinstance(s.get(k), list):
-            s[k] = [declared_required(v) for v in s[k]]
+    s = _map_subschemas(schema, declared_required)
     props = s.get("properties", {})
     missing = [r for r in s.get("required") or [] if r not in props]
     if missing and isinstance(props, dict):
         extra = s.get("additionalProperties")
         extra = extra if isinstance(extra, dict) else {}  # absent or true: any value
         s["properties"] = {**props, **{r: extra for r in missing}}
+    return s
+
+
+_YEAR = r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"  # 0001-9999
+_LEAP = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DAY28 = r"(0[1-9]|1[0-9]|2[0-8])"
+DATE_PATTERN = (
+    f"^({_YEAR}-((0[13578]|1[02])-({_DAY28}|29|30|31)|(0[469]|11)-({_DAY28}|29|30)"
+    f"|02-{_DAY28})|{_LEAP}-02-29)$"
+)  # the days each month has; 29 February in leap years only
+
+
+def calendar_dates(schema: Any) -> Any:
+    "A copy of `schema` where each `format: date` is `DATE_PATTERN` (real calendar dates)."
+    if not isinstance(schema, dict):
+        return schema
+    s = _map_subschemas(schema, calendar_dates)
+    if s.get("format") == "date":
+        del s["format"]
+        s["pattern"] = DATE_PATTERN
     return s
 
 
@@ -184,7 +212,7 @@ def json_schema_grammar(schema: dict, strict_mode: bool = True) -> str:
     character in a length-bounded one, no UTF-16 surrogate half in any (invalid UTF-8)."""
     import xgrammar as xgr
 
-    text = json.dumps(declared_required(schema))
+    text = json.dumps(calendar_dates(declared_required(schema)))
     ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict_mode))
     bounded = '(([^\\"\\\\\\0-\\x1f' + _NO_SURROGATES + "]))"
     ebnf = _LENGTH_CHARS.sub(lambda m: f"{m[1]} ::= {bounded}", ebnf)
