@@ -88,8 +88,10 @@ NB_THREADS ?= 1
 nbtest:
 	$(TEST_ENV) OMP_NUM_THREADS=$(NB_THREADS) MKL_NUM_THREADS=$(NB_THREADS) $(BIN)/nbdev_test --n_workers $(NBDEV_WORKERS) --timing
 
+# pytest-xdist: PYTEST_WORKERS processes, one torch thread each (as for the notebooks).
+PYTEST_WORKERS ?= 2
 pytest:
-	$(TEST_ENV) $(PY) -m pytest tests -q --durations=15
+	$(TEST_ENV) OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --durations=15
 
 test: setup check-sync check-clean check-readme lint nbtest pytest
 

@@ -226,7 +226,7 @@ def reference_window(full, seq_lens, q_lens, scale, window):
         p = torch.arange(L)
         mask = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - window)
         o = F.scaled_dot_product_attention(
-            t(q), t(k), t(v), attn_mask=mask.to(DEV), scale=scale, enable_gqa=True
+            t(q), t(k), t(v), attn_mask=mask, scale=scale, enable_gqa=True
         ).transpose(0, 1)
         outs.append(o[L - n :])
     return torch.cat(outs).to(DEV)
@@ -337,14 +337,14 @@ def test_fp8_cache_matches_torch_backend(dtype, D, g):
 
 def test_fp8_write_rounds_like_torch_everywhere():
     "Values across e4m3's range (subnormals, ties of random data, past ±448) round as torch does."
-    x = torch.cat([torch.randn(4096) * s for s in (1e-3, 1e-2, 1.0, 30.0, 300.0)]).view(-1, 1, 16)
-    kc = torch.zeros(x.shape[0], 1, 1, 16, dtype=FP8, device=DEV)
+    x = torch.cat([torch.randn(4096) * s for s in (1e-3, 1e-2, 1.0, 30.0, 300.0)]).view(-1, 1, 256)
+    kc = torch.zeros(x.shape[0], 1, 1, 256, dtype=FP8, device=DEV)  # one 256-wide row per slot
     vc = kc.clone()
     slots = torch.arange(x.shape[0], device=DEV)
     triton_write_kv(x.to(DEV), -x.to(DEV), kc, vc, slots)
     want = x.clamp(-448, 448).to(FP8).view(torch.uint8)
-    assert torch.equal(kc.view(-1, 1, 16).cpu().view(torch.uint8), want)
-    assert torch.equal(vc.view(-1, 1, 16).cpu().float(), -want.view(FP8).float())
+    assert torch.equal(kc.view(-1, 1, 256).cpu().view(torch.uint8), want)
+    assert torch.equal(vc.view(-1, 1, 256).cpu().float(), -want.view(FP8).float())
 
 
 def test_fp8_cache_needs_sm89_on_cuda(monkeypatch):

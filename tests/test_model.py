@@ -155,7 +155,7 @@ def test_copy_on_write_fork(tmp_path):
     """Two sequences share a partly filled prompt block; the fork copies it before writing its own
     token there."""
     hf = tiny_hf_checkpoint(tmp_path, "qwen3")
-    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=16))
+    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=16, device="cpu"))
     parent = Sequence(0, "a", rand_ids(6).tolist(), 6)
     h = Hand(r)
     parent.append_token(int(h.step([(parent, 6)])[0].argmax()))
@@ -260,13 +260,15 @@ def test_bfloat16_load_close_to_hf_bf16(tmp_path):
 def test_runner_sizes_and_limits(tmp_path):
     tiny_hf_checkpoint(tmp_path, "mistral")
     r = ModelRunner(
-        EngineConfig(model=str(tmp_path), block_size=16, max_num_seqs=8, max_model_len=64)
-    )
+        EngineConfig(
+            model=str(tmp_path), block_size=16, max_num_seqs=8, max_model_len=64, device="cpu"
+        )
+    )  # the CPU budget and backend, on any machine
     assert r.max_model_len == 64
     assert r.num_blocks == 8 * 4 and r.kv_caches[0][0].shape == (32, 16, 2, 16)
     assert r.model.backend.name == "cpp" and r.dtype == torch.float32  # auto on CPU
     with pytest.raises(ValueError, match=r"max_model_len \(1000\) exceeds"):
-        ModelRunner(EngineConfig(model=str(tmp_path), max_model_len=1000))
+        ModelRunner(EngineConfig(model=str(tmp_path), max_model_len=1000, device="cpu"))
 
 
 def _takes_window(backend):
@@ -284,7 +286,7 @@ def test_sliding_window_does_not_cap_max_model_len(tmp_path):
         with pytest.raises(ValueError, match="does not support sliding windows.*sliding_window=64"):
             ModelRunner(EngineConfig(model=str(tmp_path)))
         pytest.skip("the torch backend takes no window= yet")
-    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=16, max_num_seqs=8))
+    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=16, max_num_seqs=8, device="cpu"))
     assert r.max_model_len == 512 and r.model.config.layer_windows == [64, 64]
     assert [l.self_attn.window for l in r.model.layers] == [64, 64]
 
@@ -502,7 +504,7 @@ def test_with_block_manager_fork_and_prefix_cache(tmp_path):
     from hetero_infer.kv_cache.block_manager import BlockManager
 
     hf = tiny_hf_checkpoint(tmp_path, "llama")
-    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=16))
+    r = ModelRunner(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=16, device="cpu"))
     bm = BlockManager(16, 4, enable_prefix_caching=True)
 
     def run(seqs_n):
