@@ -215,16 +215,19 @@ class KVReceiver:
                 header, t0 = KVHeader.decode(hdr), time.perf_counter()
                 payload = header.empty_payload()
                 pg.recv([as_bytes(payload)], 0, 0).wait()
-                pg.send([ack], 0, 0).wait()
             except Exception as e:  # the sender died or stalled: this pair is over
                 if header is not None:
                     self._fail(header.transfer_id, f"{type(e).__name__}: {e}".splitlines()[0])
                 return
-            with self.lock:
+            with self.lock:  # kept before the ack, so a sender that saw it can count on poll()
                 self.arrived[header.transfer_id] = (header, payload, time.monotonic())
                 self.stats.update(transfers=1, tokens=header.num_tokens, bytes=payload.nbytes)
                 self.stats["seconds"] += time.perf_counter() - t0
             self.event.set()
+            try:
+                pg.send([ack], 0, 0).wait()
+            except Exception:  # the payload is whole and kept; only this pair is over
+                return
 
     def _fail(self, transfer_id: str, why: str):
         with self.lock:
