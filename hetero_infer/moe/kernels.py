@@ -59,6 +59,7 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee": exact float32 products; "tf32" (16-bit inputs ignore it)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -80,10 +81,10 @@ def _fused_moe_kernel(
         )  # (BM, BK) gathered token rows
         b_mask = (rn[None, :] < N) & (kk[:, None] < K)
         b = tl.load(b_tile + kk[:, None], mask=b_mask, other=0.0)  # (BK, BN) transposed
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATED:
             bu = tl.load(b_tile + up_offset + kk[:, None], mask=b_mask, other=0.0)
-            acc_up = tl.dot(a, bu, acc_up)
+            acc_up = tl.dot(a, bu, acc_up, input_precision=DOT_PRECISION)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
     if MUL_WEIGHT:
@@ -101,6 +102,7 @@ def fused_moe_tiles(
     return (16 if num_pairs <= 16 * num_experts else 64), 64, bk
 
 
+# %% ../../nbs/16_mixture_of_experts.ipynb #b7f1e2a3
 def fused_moe(
     x: torch.Tensor,  # (T, H) contiguous
     gate_up: torch.Tensor,  # (E, 2I, H) contiguous
@@ -127,12 +129,14 @@ def fused_moe(
     act = x.new_empty(n, I2 // 2)  # (T*k, I)
     out = x.new_zeros(n, H)  # (T*k, H); rows of pairs not held stay zero
     blocks = block_expert.numel()
+    fp32 = x.dtype == torch.float32  # ieee dots hold operands in registers: 4 warps would spill
     for a, b, c, gated in ((x, gate_up, act, True), (act, down, out, False)):
         N = c.shape[1]
         _fused_moe_kernel[(blocks, triton.cdiv(N, bn))](
             a, b, c, w, sorted_ids, block_expert, n, N, a.shape[1],
             a.stride(0), b.stride(0), b.stride(1), c.stride(0), N * b.stride(1),
             k if gated else 1, GATED=gated, MUL_WEIGHT=not gated,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION="ieee" if fp32 else "tf32",
+            num_warps=8 if fp32 else 4,
         )  # fmt: skip
     return out.view(T, k, H).sum(1)

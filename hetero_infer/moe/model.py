@@ -124,13 +124,22 @@ def fused_moe_specs(arch: str, dtype: str) -> list[KernelSpec]:
 
     tiles = sorted({fused_moe_tiles(n, 8, getattr(torch, dtype)) for n in (8, 8 * 17)})
     where = dict(module="hetero_infer.moe.kernels", fn="_fused_moe_kernel")
+    fp32 = dtype == "float32"  # exact dots ("ieee"), on 8 warps as `fused_moe` launches them
     return [
         KernelSpec(
             "fused_moe",
             dtype,
             arch,
             (64,),
-            dict(GATED=g, MUL_WEIGHT=not g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
+            dict(
+                GATED=g,
+                MUL_WEIGHT=not g,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                DOT_PRECISION="ieee" if fp32 else "tf32",
+            ),
+            num_warps=8 if fp32 else 4,
             pointers=FUSED_MOE_POINTERS,
             **where,
         )  # fmt: skip
