@@ -202,9 +202,8 @@ class KVReceiver:
     def _serve(self, k: int):
         "Receive transfers on pair `k` until it breaks or idles past the timeout."
         try:
-            pg = pair_group(
-                store_client(self.host, self.store.port), f"kv/pg/{k}", 1, self.host, self.timeout
-            )
+            store = store_client(self.host, self.store.port)
+            pg = pair_group(store, f"kv/pg/{k}", 1, self.host, self.timeout)
         except Exception:
             return
         hdr, ack = torch.empty(HEADER_BYTES, dtype=torch.uint8), torch.ones(1, dtype=torch.int64)
