@@ -549,12 +549,13 @@ STOP_EVEN = dict(
 
 
 def _uneven_pair(tiny_path):
-    "An engine and a seed whose n = 2 completions stop after different numbers of tokens."
+    "An engine and a seed whose n = 2 completions both stop, after different numbers of tokens."
     for seed in range(50):
         eng = tiny(tiny_path).engine
         out = run_one(eng, P6, SamplingParams(n=2, seed=seed, **STOP_EVEN))
         lens = [len(c.token_ids) for c in out.outputs]
-        if lens[0] != lens[1] and min(lens) >= 2:
+        stopped = all(c.finish_reason == "stop" for c in out.outputs)  # not cut at max_tokens
+        if stopped and lens[0] != lens[1] and min(lens) >= 2:
             return seed, lens
     raise AssertionError("no seed gives completions of different lengths")
 

@@ -15,7 +15,7 @@ from hetero_infer.sample.sampler import (
     apply_top_k_top_p,
     sampling_probs,
     token_logprobs,
-    exponential_race,
+    inverse_cdf,
     row_seed,
 )
 from hetero_infer.sample.penalties import apply_penalties, seen_tokens, PenaltyCounts
@@ -207,13 +207,42 @@ def test_top_p_sampling_matches_renormalized_nucleus():
     assert chi_square(counts, target) < CHI2_999[int((target > 0).sum()) - 1]
 
 
-def test_exponential_race_frequencies():
+def test_inverse_cdf_frequencies():
     probs = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
     n = 20_000
-    noise = torch.empty(n, 5).exponential_(generator=torch.Generator().manual_seed(3))
-    counts = torch.bincount(exponential_race(probs.expand(n, -1), noise), minlength=5).float()
-    assert counts[2] == 0
-    assert chi_square(counts, probs) < CHI2_999[3]
+    u = torch.rand(n, generator=torch.Generator().manual_seed(3))
+    for block in (1, 2, 4, 1024):
+        counts = torch.bincount(inverse_cdf(probs.expand(n, -1), u, block), minlength=5).float()
+        assert counts[2] == 0
+        assert chi_square(counts, probs) < CHI2_999[3]
+
+
+@SETTINGS
+@given(
+    v=st.integers(1, 3000),
+    block=st.sampled_from([1, 7, 64, 1024]),
+    zeros=st.floats(0.0, 0.99),
+    seed=st.integers(0, 10_000),
+)
+def test_inverse_cdf_equals_a_float64_running_sum(v, block, zeros, seed):
+    "The two-level search picks what one float64 running sum over the whole row picks."
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(4, v, generator=g) * (torch.rand(4, v, generator=g) >= zeros)
+    probs[:, torch.randint(0, v, (1,), generator=g)] = 0.5  # no row all zero
+    u = torch.rand(4, generator=g)
+    cum = probs.double().cumsum(-1)
+    want = torch.searchsorted(cum, (u.double() * cum[:, -1])[:, None], right=True)[:, 0]
+    got = inverse_cdf(probs, u, block)
+    assert bool((probs.gather(-1, got[:, None]) > 0).all())  # never a removed token
+    assert got.tolist() == want.clamp_max(v - 1).tolist()
+
+
+def test_a_row_with_nothing_allowed_still_gets_an_id_in_range():
+    "All -inf (a grammar at a dead end): an id in range all the same, for the caller to refuse."
+    x = torch.full((3, 1500), float("-inf"))
+    x[1] = 0.0
+    out = Sampler([99], seed=0)(x, [seq(seq_id=i) for i in range(3)])
+    assert all(0 <= t < 1500 for t in out.token_ids)
 
 
 # --- penalties -----------------------------------------------------------------------------------

@@ -238,9 +238,20 @@ def _check_split(config, world: int) -> None:
 
 
 # %% ../../nbs/13_tensor_parallel.ipynb #4bc53d8f
-def start_workers(config, world_size: int) -> TensorParallelRunner:
-    "Spawn ranks 1..world_size-1 on this machine, join them as rank 0, and return rank 0's runner."
+def _worker_context():
+    """forkserver where the platform has it: one server process imports the engine once and every
+    later worker forks from it; else spawn, a fresh interpreter per worker."""
     import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["hetero_infer.parallel.runner"])  # before the server starts
+    return ctx
+
+
+def start_workers(config, world_size: int) -> TensorParallelRunner:
+    "Start ranks 1..world_size-1 on this machine, join them as rank 0, and return rank 0's runner."
     from hetero_infer.parallel.runner import _worker_main  # by its path: what the child imports
 
     _check_spawnable()
@@ -248,7 +259,7 @@ def start_workers(config, world_size: int) -> TensorParallelRunner:
     init = f"tcp://127.0.0.1:{_free_port()}"
     on_cpu = resolve_device(config.device) == "cpu"
     threads = max(1, torch.get_num_threads() // world_size) if on_cpu else None
-    ctx = mp.get_context("spawn")
+    ctx = _worker_context()
     workers = [
         ctx.Process(
             target=_worker_main,

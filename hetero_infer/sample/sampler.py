@@ -13,11 +13,11 @@ from .penalties import PenaltyCounts, apply_penalties
 # %% auto #0
 __all__ = [
     "SamplerOutput",
+    "inverse_cdf",
     "row_seed",
     "apply_logit_bias",
     "apply_top_k_top_p",
     "sampling_probs",
-    "exponential_race",
     "token_logprobs",
     "Sampler",
 ]
@@ -34,6 +34,30 @@ class SamplerOutput:
     logprobs: list[float | None]
     # top-k plus the chosen token, for rows with params.logprobs set
     top_logprobs: list[dict[int, Logprob] | None]
+
+
+# %% ../../nbs/06_sampler.ipynb #3cf4f309
+def inverse_cdf(
+    probs: torch.Tensor,  # (N, V) probabilities (need not be normalized), >= 0
+    u: torch.Tensor,  # (N,) uniforms in [0, 1)
+    block: int = 1024,  # tokens per block of the two-level search
+) -> torch.Tensor:
+    "One token per row, (N,) int64: the first i whose running sum of probs passes u * row sum."
+    N, V = probs.shape
+    full = V // block * block
+    sums = probs[:, :full].view(N, -1, block).sum(-1)  # (N, V // block) float32
+    if full < V:  # the last, shorter block
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], -1)
+    cum = sums.double().cumsum(-1)  # (N, B) running sum over blocks
+    target = (u.double() * cum[:, -1])[:, None]  # (N, 1)
+    b = torch.searchsorted(cum, target, right=True).clamp_max(cum.shape[1] - 1)  # (N, 1)
+    before = torch.where(b > 0, cum.gather(-1, (b - 1).clamp_min(0)), 0.0)  # mass of blocks < b
+    cols = b * block + torch.arange(block, device=probs.device)  # (N, block) the block's tokens
+    inside = probs.gather(-1, cols.clamp_max(V - 1)).masked_fill(cols >= V, 0)
+    t = torch.searchsorted(inside.double().cumsum(-1), target - before, right=True)  # (N, 1)
+    last = block - 1 - (inside > 0).flip(-1).int().argmax(-1, keepdim=True)  # last nonzero
+    # a row with nothing positive (all 0, or NaN) still gets an id in range, to be refused
+    return (b * block + torch.minimum(t, last))[:, 0].clamp_max(V - 1)
 
 
 # %% ../../nbs/06_sampler.ipynb #7c1f551b
@@ -76,13 +100,13 @@ def _ban(x: torch.Tensor, bans: list[list[int]]) -> torch.Tensor:
     return x
 
 
-def _row_noise(seq: Sequence, V: int, device, generator: torch.Generator | None) -> torch.Tensor:
-    "Exp(1) noise (V,) for one row: from the row's own seeded generator, or from the shared one."
+def _row_uniform(seq: Sequence, device, generator: torch.Generator | None) -> torch.Tensor:
+    "The row's uniform (1,) for this step: from its own seeded generator, or from the shared one."
     if seq.params.seed is not None:
         generator = torch.Generator(device).manual_seed(
             row_seed(seq.params.seed, seq.index, seq.num_output_tokens)
         )
-    return torch.empty(V, device=device).exponential_(generator=generator)
+    return torch.rand(1, generator=generator, device=device)
 
 
 # %% ../../nbs/06_sampler.ipynb #44cea01b
@@ -159,15 +183,6 @@ def sampling_probs(
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-# %% ../../nbs/06_sampler.ipynb #9d9b9871
-def exponential_race(
-    probs: torch.Tensor,  # (N, V) probabilities (need not be normalized)
-    noise: torch.Tensor,  # (N, V) Exp(1) samples
-) -> torch.Tensor:
-    "One token per row, (N,) int64: argmax(probs / noise) picks i with probability probs_i / sum."
-    return (probs / noise.clamp_min(1e-10)).argmax(-1)
 
 
 # %% ../../nbs/06_sampler.ipynb #ce7cbc0f
@@ -275,15 +290,11 @@ class Sampler:
             _col(x, [p.top_p for p in ps]),
             _col(x, [p.min_p for p in ps]),
         )
-        noise = x.new_empty(R, V)
-        shared = [i for i, p in enumerate(ps) if p.seed is None]
-        if shared:
-            exp1 = x.new_empty(len(shared), V).exponential_(generator=self.generator(dev))
-            noise[_col(x, shared, torch.long)] = exp1
+        u = torch.rand(R, generator=self.generator(dev), device=dev)  # unseeded rows' uniforms
         for i, s in enumerate(seqs):
             if s.params.seed is not None:
-                noise[i] = _row_noise(s, V, dev, None)
-        return exponential_race(probs, noise)
+                u[i] = _row_uniform(s, dev, None)  # a seeded row's own
+        return inverse_cdf(probs, u)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         "Sample one token for each row of `logits` (N, V) with the params of `seqs[i]`."

@@ -11,7 +11,7 @@ from ..core.sampling_params import SamplingParams
 from ..core.sequence import Sequence
 from ..kv_cache.block_manager import BlockManager, NoFreeBlocksError
 from ..scheduler.output import ScheduledSeq, SchedulerOutput
-from ..sample.sampler import Sampler, sampling_probs, exponential_race, row_seed
+from ..sample.sampler import Sampler, sampling_probs, inverse_cdf, row_seed
 from ..model.runner import ModelRunner
 
 # %% auto #0
@@ -170,9 +170,8 @@ def needs_own_state(seq: Sequence, k: int = 0) -> bool:
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    "One token from the (unnormalised) distribution `probs` (V,), by the exponential race."
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    return int(exponential_race(probs[None], noise[None])[0])
+    "One token from the (unnormalised) distribution `probs` (V,), by the inverse CDF."
+    return int(inverse_cdf(probs[None], torch.rand(1, generator=gen, device=probs.device))[0])
 
 
 def request_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
