@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
 
 from hetero_infer.core.sequence import Sequence
-from hetero_infer.kv_cache.block_manager import BlockManager, NoFreeBlocksError
+from hetero_infer.kv_cache.block_manager import BlockManager, BlockPool, NoFreeBlocksError
 from hetero_infer.kv_cache.prefix_cache import hash_block
 
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -456,10 +456,16 @@ def test_retried_copy_on_write_is_handed_out_again_and_its_source_kept():
         bm.allocate(filler)
         assert src not in filler.block_table
     assert bm.append_slots(p, 1) == first
-    with pytest.raises(ValueError, match="not yet committed"):
+    msg = r"^sequence \d+ has copies not yet committed; commit its step before forking it$"
+    with pytest.raises(ValueError, match=msg):
         bm.fork(p, mkseq(3, [1]))  # forks come after a committed step
     bm.commit(p, 1)
     assert not bm.pins and not bm.cow_pending and (src in bm.free_ids or src in bm.cache.evictable)
+
+
+def test_pools_and_managers_cache_prefixes_unless_told_not_to():
+    assert BlockPool(2, 4).cache.enabled and BlockManager(2, 4).cache.enabled
+    assert not BlockPool(2, 4, enable_prefix_caching=False).cache.enabled
 
 
 def test_sibling_borrows_then_joins():
