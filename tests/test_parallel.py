@@ -242,7 +242,9 @@ def _serve_tp2():
             if p.poll() is not None:
                 break
             time.sleep(0.5)
-    return p, client, _children(p.pid)
+    # the server's child is its engine's process; the ranks' processes are that process's own
+    engines = _children(p.pid)
+    return p, client, [k for e in engines for k in _children(e)]
 
 
 def _alive(pids):

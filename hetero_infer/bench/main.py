@@ -34,6 +34,7 @@ from .args import add_bench_arguments
 from ..cli.config import usage_error
 from ..cli.flags import BENCH_FLAGS, ENGINE_FLAGS, register_command
 from ..core.config import DEMO_MODEL_DIR, EngineConfig
+from ..server.engine_process import engine_cores
 from ..testing import dummy_checkpoint
 
 
@@ -299,11 +300,14 @@ def _serve_peers(args, python, model, wl, rates, serve_args, flags, env) -> dict
         vllm_server(python, model, flags, vllm_args, args.port, args.threads),
     ]
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
-    chosen = cpu_threads()  # what ours' runner picks when it starts, unless --threads is given
+    # what the runner in ours' engine process picks when it starts, unless --threads is given
+    chosen = cpu_threads(cores=len(engine_cores()) or None)
     timeout = args.startup_timeout
     res = served_comparison(specs, wl, rates, args.seed, args.max_concurrency, timeout, slo)
     ours = res["servers"]["ours"]
-    ours["threads"] = ours["threads"] or f"{chosen} (the cores the load average left idle)"
+    ours["threads"] = (
+        ours["threads"] or f"{chosen} (of the engine's cores, those the load left idle)"
+    )
     return res
 
 

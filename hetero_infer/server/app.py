@@ -206,6 +206,8 @@ def _add_routes(app, h: OpenAIHandlers, metrics: ServerMetrics) -> None:
     async def prometheus():
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if h.aeng.is_running and not h.aeng.fatal:  # counters as of now, not of the last step
+            await h.aeng.run(h.aeng.record_stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

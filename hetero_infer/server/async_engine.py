@@ -86,6 +86,12 @@ class EngineThread:
         self.record()
         return outs, self.engine.has_unfinished_requests()
 
+    def record_stats(self) -> None:
+        "A fresh snapshot of the stats between steps, for a scrape."
+        if hasattr(self.engine, "fetch_stats"):  # an `EngineProcess` (below) holds older ones
+            self.engine.fetch_stats()
+        self.snapshot = dict(self.engine.stats)
+
     def record(self) -> None:
         "Snapshot the engine's stats and append a point to the timeline."
         s = self.snapshot = dict(self.engine.stats)
@@ -98,7 +104,7 @@ class EngineThread:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         "Admit one request; refuse it when too many sequences already wait."
-        waiting, limit = len(self.engine.scheduler.waiting), self.max_queued_requests
+        waiting, limit = self.engine.stats["waiting"], self.max_queued_requests
         if limit is not None and waiting >= limit:
             raise ServerOverloaded(
                 f"{waiting} sequences are waiting, the limit is max_queued_requests={limit};"
@@ -293,6 +299,10 @@ class AsyncLLMEngine(EngineLoop):
         self.streams.open(rid)
         try:
             await self.run(self.add, rid, list(prompt_token_ids), params)
+        except EngineDeadError as e:  # the engine's process died while the loop was idle
+            self.streams.close(rid)
+            self.die(str(e))
+            raise EngineDead(f"the engine cannot continue: {e}") from None
         except BaseException:
             self.streams.close(rid)
             raise

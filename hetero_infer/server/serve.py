@@ -76,18 +76,21 @@ def serve(
     served_model_name: str = "hetero-infer",
     shutdown_timeout: float = 30.0,  # on SIGTERM: seconds running requests may take
     log_level: str = "info",
+    engine_process: bool = True,  # the engine in a child process (`EngineProcess`), else a thread
     **app_kwargs,  # `build_app`'s options (timeouts, defaults, CORS lists)
 ) -> int:
     "Load the model, serve the OpenAI API until SIGTERM/SIGINT, drain; 0, or 1 if the engine broke."
     from hetero_infer.engine.llm_engine import LLMEngine
+    from hetero_infer.server.engine_process import EngineProcess
 
+    make = EngineProcess if engine_process else LLMEngine
     # listening at once: /healthz 200, /readyz 503 until the model is loaded
     aeng = AsyncLLMEngine(None)
     app = build_app(
         aeng,
         served_model_name=served_model_name,
         api_key=api_key,
-        engine_factory=lambda: LLMEngine(config or EngineConfig()),
+        engine_factory=lambda: make(config or EngineConfig()),
         **app_kwargs,
     )
     cfg = uvicorn.Config(
