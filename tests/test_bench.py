@@ -287,6 +287,7 @@ def test_offline_bench_times_the_systems_in_turns(monkeypatch):
         (["offline", "--repeats", "0"], "--repeats"),
         (["offline", "--model", "x", "--dummy-config", "tiny-llama"], "--dummy-config"),
         (["serve", "--rates", "0,1"], "--rates"),
+        (["serve", "--url", "http://127.0.0.1:1", "--num-requests", "2"], "--url"),
     ],
 )
 def test_bad_input_exits_2_naming_the_field(argv, field, capsys):

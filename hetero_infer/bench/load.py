@@ -386,16 +386,20 @@ def serving(
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
-    "The first model id the server lists at /v1/models."
+    "The first model id the server lists at /v1/models; a ValueError naming --url if it lists none."
     import httpx
 
-    r = httpx.get(
-        url.rstrip("/") + "/v1/models",
-        headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
-        timeout=10,
-    )
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    try:
+        r = httpx.get(
+            url.rstrip("/") + "/v1/models",
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+            timeout=10,
+        )
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, LookupError) as e:  # down, loading, or no model
+        why = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise ValueError(f"--url: no model listed at {url}/v1/models ({why})") from None
 
 
 # %% ../../nbs/11_benchmarks.ipynb #04a144da
