@@ -99,11 +99,12 @@ def kv_audit(scheduler) -> list[str]:
         for b in s.block_table[bm.lent.get(s.seq_id, 0) :]:
             refs[b] += 1
     free, evictable = list(bm.free_ids), set(bm.cache.evictable)
-    if len(set(free)) != len(free) or set(free) & evictable:
+    free_set = set(free)  # a set: one look-up per block, not a scan of the free list
+    if len(free_set) != len(free) or free_set & evictable:
         errs.append("device: a block is twice in the free lists")
     for blk in bm.blocks:
         b = blk.block_id
-        where = (b in evictable) + (b in bm.free_ids)
+        where = (b in evictable) + (b in free_set)
         if blk.ref_count != refs[b]:
             errs.append(f"device: block {b} has ref_count {blk.ref_count}, {refs[b]} tables")
         elif blk.ref_count == 0 and b not in bm.pins and where != 1:
