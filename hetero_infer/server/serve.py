@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -76,7 +77,8 @@ def serve(
     served_model_name: str = "hetero-infer",
     shutdown_timeout: float = 30.0,  # on SIGTERM: seconds running requests may take
     log_level: str = "info",
-    engine_process: bool = True,  # the engine in a child process (`EngineProcess`), else a thread
+    # the engine in a child process (`EngineProcess`, which needs POSIX fd passing), else a thread
+    engine_process: bool = os.name == "posix",
     **app_kwargs,  # `build_app`'s options (timeouts, defaults, CORS lists)
 ) -> int:
     "Load the model, serve the OpenAI API until SIGTERM/SIGINT, drain; 0, or 1 if the engine broke."
