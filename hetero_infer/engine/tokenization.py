@@ -5,14 +5,17 @@
 # %% ../../nbs/06a_tokenization.ipynb #26260f02
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # %% auto #0
 __all__ = [
     "TOKENIZER_FILES",
+    "PLAIN_TOKENIZERS",
     "CHAT_ROLES",
     "PROMPT_KEYS",
     "IncrementalDetokenizer",
+    "plain_tokenizer_json",
     "load_tokenizer",
     "find_stop_string",
     "check_text",
@@ -58,14 +61,25 @@ class IncrementalDetokenizer:
 
 # %% ../../nbs/06a_tokenization.ipynb #a36760bc
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# classes that are the `tokenizers` library's tokenizer.json and nothing more: no model code needed
+PLAIN_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def plain_tokenizer_json(p: Path) -> bool:
+    "Whether `p` holds a tokenizer.json its tokenizer_config.json names a plain fast tokenizer."
+    cfg = p / "tokenizer_config.json"
+    if not (p / "tokenizer.json").exists() or not cfg.exists():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("tokenizer_class") in PLAIN_TOKENIZERS
+    except (ValueError, AttributeError):  # not JSON, or not an object: AutoTokenizer will say
+        return False
 
 
 def load_tokenizer(
     path: str | Path | None, required: bool = False
 ):  # True for a tokenizer the user named: a directory without one is an error
     "The HF tokenizer in `path`, or None when the directory has none (prompts: token ids then)."
-    from transformers import AutoTokenizer
-
     p = Path(path) if path is not None else None
     if p is None or not any((p / f).exists() for f in TOKENIZER_FILES):
         if required:
@@ -74,6 +88,12 @@ def load_tokenizer(
                 f"(none of {', '.join(TOKENIZER_FILES)})"
             )
         return None
+    if plain_tokenizer_json(p):  # AutoTokenizer would import the model's config code first (~5 s)
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(p))
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(p))
 
 

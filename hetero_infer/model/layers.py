@@ -229,7 +229,10 @@ class LlamaModel(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        table = torch.empty(c.vocab_size, c.hidden_size)
+        if not table.is_meta:  # random, as nn.Embedding's own; `load_model` builds on meta and
+            nn.init.normal_(table)  # fills it (normal_ on meta would import torch's compiler, ~4 s)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
