@@ -226,10 +226,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap" a preempted request's KV out (17_kv_offload)
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (17)
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix blocks; 0: off (17)
-    # disaggregation (19): "prefill" or "decode" (vLLM's kv_producer, kv_consumer), None: off;
-    # where a decode instance receives KV (HOST[:PORT]) or a prefill instance sends from (HOST)
-    kv_role: str | None = None
-    kv_address: str | None = None
+    kv_role: str | None = None  # "prefill", "decode" (vLLM's kv_producer/consumer), None (19)
+    kv_address: str | None = None  # HOST[:PORT] a decode instance gets KV at, a prefill sends from
     kv_transfer_timeout: float = 30.0  # seconds a decode instance waits for KV, then prefills
 
     def __post_init__(self):
@@ -348,8 +346,7 @@ def check_serving(c: EngineConfig):
 
 
 # %% ../../nbs/00_core.ipynb #c3a67987
-# the package's folder; in the notebook, where `__file__` is not set, the package is found without
-# importing it
+# the package's folder (in the notebook, where `__file__` is not set: found without importing it)
 _PKG_DIR = (
     Path(__file__).parent.parent
     if "__file__" in globals()

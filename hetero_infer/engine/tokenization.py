@@ -61,18 +61,17 @@ class IncrementalDetokenizer:
 
 # %% ../../nbs/06a_tokenization.ipynb #a36760bc
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-# classes that are the `tokenizers` library's tokenizer.json and nothing more: no model code needed
+# tokenizer.json and nothing more: AutoTokenizer would first import the model family's config
+# code (~5 s of each process), PreTrainedTokenizerFast reads it directly
 PLAIN_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def plain_tokenizer_json(p: Path) -> bool:
-    "Whether `p` holds a tokenizer.json its tokenizer_config.json names a plain fast tokenizer."
-    cfg = p / "tokenizer_config.json"
-    if not (p / "tokenizer.json").exists() or not cfg.exists():
-        return False
+    "Whether `p` holds a tokenizer.json that its tokenizer_config.json calls a plain fast one."
     try:
-        return json.loads(cfg.read_text()).get("tokenizer_class") in PLAIN_TOKENIZERS
-    except (ValueError, AttributeError):  # not JSON, or not an object: AutoTokenizer will say
+        cfg = json.loads((p / "tokenizer_config.json").read_text())
+        return (p / "tokenizer.json").exists() and cfg.get("tokenizer_class") in PLAIN_TOKENIZERS
+    except (OSError, ValueError, AttributeError):  # none, not JSON, not an object: AutoTokenizer
         return False
 
 
@@ -80,6 +79,8 @@ def load_tokenizer(
     path: str | Path | None, required: bool = False
 ):  # True for a tokenizer the user named: a directory without one is an error
     "The HF tokenizer in `path`, or None when the directory has none (prompts: token ids then)."
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     p = Path(path) if path is not None else None
     if p is None or not any((p / f).exists() for f in TOKENIZER_FILES):
         if required:
@@ -88,13 +89,9 @@ def load_tokenizer(
                 f"(none of {', '.join(TOKENIZER_FILES)})"
             )
         return None
-    if plain_tokenizer_json(p):  # AutoTokenizer would import the model's config code first (~5 s)
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(p))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(p))
+    return (PreTrainedTokenizerFast if plain_tokenizer_json(p) else AutoTokenizer).from_pretrained(
+        str(p)
+    )
 
 
 # %% ../../nbs/06a_tokenization.ipynb #0a87681e

@@ -229,9 +229,8 @@ class LlamaModel(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
-        table = torch.empty(c.vocab_size, c.hidden_size)
-        if not table.is_meta:  # random, as nn.Embedding's own; `load_model` builds on meta and
-            nn.init.normal_(table)  # fills it (normal_ on meta would import torch's compiler, ~4 s)
+        meta = torch.empty(0).is_meta  # in `load_model`, which fills the table: no random init
+        table = torch.empty(c.vocab_size, c.hidden_size) if meta else None  # (normal_ on meta: 4 s)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

@@ -154,7 +154,7 @@ class RequestStreams:
 
     async def stream(self, request_id: str, timeout: float | None, on_leave):
         "The outputs of `request_id` until its final one; `on_leave(request_id)` if left early."
-        q, finished = self.queues.get(request_id), False
+        q, finished, held = self.queues.get(request_id), False, None
         if q is None:
             raise KeyError(f"request {request_id!r} is not running")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -162,12 +162,20 @@ class RequestStreams:
             while not finished:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    item = await asyncio.wait_for(q.get(), left)
+                    item = held if held is not None else await asyncio.wait_for(q.get(), left)
                 except asyncio.TimeoutError:
                     raise RequestTimeout(
                         f"request ran past the server's request timeout ({timeout:g} s)"
                         " and was aborted"
                     ) from None
+                # a reader that fell behind skips to the newest output: each holds all before it
+                held = None
+                while isinstance(item, RequestOutput) and not item.finished and not q.empty():
+                    newer = q.get_nowait()
+                    if isinstance(newer, BaseException):
+                        held = newer  # it ends the stream after this output
+                        break
+                    item = newer
                 finished = isinstance(item, BaseException) or item.finished
                 if isinstance(item, BaseException):
                     raise item

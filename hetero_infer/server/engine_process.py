@@ -14,6 +14,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from ..core.config import EngineConfig
+from ..core.outputs import CompletionOutput, RequestOutput
 from ..engine.plugins import EngineDeadError
 
 
@@ -26,12 +27,8 @@ def _portable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def _step(engine) -> tuple:
-    return engine.step(), engine.has_unfinished_requests()
-
-
 CALLS = {  # what the parent may ask the engine's process to do
-    "step": _step,
+    "step": lambda engine: engine.step(),
     "add_request": lambda engine, *args: engine.add_request(*args),
     "abort_request": lambda engine, ids: engine.abort_request(ids),
     "stats": lambda engine: None,  # every answer carries the stats
@@ -57,11 +54,12 @@ def engine_main(conn: Connection) -> None:
         conn.send(("error", _portable(e), {}, False))
         return
     conn.send(("ready", (engine.config, engine.tokenizer), engine.stats, False))
-    ahead = None  # the answer of a step taken before the server asked for it
+    ahead, deltas = None, OutputDeltas()  # ahead: a step taken before the server asked for it
     try:
         while True:
             if ahead is None and engine.has_unfinished_requests() and not conn.poll():
                 ahead = _answer(engine, "step", ())  # while the server streams the last one
+                ahead = deltas.pack(ahead[1]) if ahead[0] == "ok" else ahead
                 continue
             try:
                 call, args = conn.recv()
@@ -73,6 +71,7 @@ def engine_main(conn: Connection) -> None:
                 reply, ahead = ahead, None
             else:
                 reply = _answer(engine, call, args)
+                reply = deltas.pack(reply[1]) if call == "step" and reply[0] == "ok" else reply
             conn.send((*reply, engine.stats, engine.has_unfinished_requests()))
     finally:
         engine.close()
@@ -95,7 +94,71 @@ _CHILD = (  # pinned before torch is imported, so its default threads are the co
 )
 
 # %% auto #0
-__all__ = ["CALLS", "engine_main", "engine_cores", "EngineProcess"]
+__all__ = [
+    "CALLS",
+    "engine_main",
+    "engine_cores",
+    "OutputDeltas",
+    "OutputRebuilder",
+    "EngineProcess",
+]
+
+
+# %% ../../nbs/09_server.ipynb #9d9a0ac4
+class OutputDeltas:
+    "The child's side of the pipe: each step's outputs as what changed since the last one sent."
+
+    def __init__(self):
+        self.sent: dict[str, dict] = {}  # request id -> completion index -> (text, tokens) sent
+
+    def pack(self, outs: list[RequestOutput]) -> tuple:
+        return "ok", [self.delta(o) for o in outs]
+
+    def delta(self, out: RequestOutput):
+        "`out` whole the first time (and when its text shrank: a stop string cut), else a tuple."
+        seen = self.sent.pop(out.request_id, None)
+        if not out.finished:
+            self.sent[out.request_id] = {c.index: (c.text, len(c.token_ids)) for c in out.outputs}
+        new = []
+        for c in out.outputs:
+            text, n = seen.get(c.index, ("", 0)) if seen is not None else ("", 0)
+            if seen is None or not c.text.startswith(text) or len(c.token_ids) < n:
+                return out
+            lps = None if c.logprobs is None else c.logprobs[n:]
+            tail = (c.cumulative_logprob, lps, c.finish_reason, c.stop_reason)
+            new.append((c.index, c.text[len(text) :], c.token_ids[n:], *tail))
+        head = (out.finished, out.metrics, out.num_cached_tokens, out.error, out.prompt_logprobs)
+        return out.request_id, head, new
+
+
+class OutputRebuilder:
+    "The parent's side: whole, cumulative `RequestOutput`s again, as the server expects them."
+
+    def __init__(self):
+        self.last: dict[str, RequestOutput] = {}  # the newest output of each unfinished request
+
+    def unpack(self, items: list) -> list[RequestOutput]:
+        return [self.rebuild(x) for x in items]
+
+    def rebuild(self, item) -> RequestOutput:
+        out = item if isinstance(item, RequestOutput) else self.extend(*item)
+        if out.finished:
+            self.last.pop(out.request_id, None)
+        else:
+            self.last[out.request_id] = out
+        return out
+
+    def extend(self, request_id: str, head: tuple, new: list) -> RequestOutput:
+        prev = self.last[request_id]
+        old = {c.index: c for c in prev.outputs}
+        outs = []
+        for index, text, ids, cum, lps, reason, stop in new:
+            o = old.get(index) or CompletionOutput(index, "", [])
+            lps = None if lps is None else (o.logprobs or []) + lps
+            outs.append(
+                CompletionOutput(index, o.text + text, o.token_ids + ids, cum, lps, reason, stop)
+            )
+        return RequestOutput(request_id, prev.prompt, prev.prompt_token_ids, outs, *head)
 
 
 # %% ../../nbs/09_server.ipynb #0f3b1a08
@@ -108,7 +171,7 @@ class EngineProcess:
         argv = [sys.executable, "-c", _CHILD, str(theirs.fileno()), cores]
         self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
         theirs.close()
-        self.conn = Connection(ours.detach())
+        self.conn, self.outputs = Connection(ours.detach()), OutputRebuilder()
         self.conn.send(config or EngineConfig())
         self.config, self.tokenizer = self._reply()
 
@@ -132,9 +195,8 @@ class EngineProcess:
     def _dead(self) -> EngineDeadError:
         return EngineDeadError(f"the engine's process exited (exit code {self.proc.wait()})")
 
-    def step(self) -> list:
-        outs, self.unfinished = self._call("step")
-        return outs
+    def step(self) -> list[RequestOutput]:
+        return self.outputs.unpack(self._call("step"))
 
     def has_unfinished_requests(self) -> bool:
         return self.unfinished
