@@ -29,6 +29,7 @@ __all__ = [
     "EngineLoop",
     "AsyncLLMEngine",
     "merge_streams",
+    "one_stream",
 ]
 
 
@@ -397,3 +398,12 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def one_stream(stream: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    "One stream as `merge_streams` gives it, `(0, item)`; leaving early closes it at once."
+    try:
+        async for item in stream:
+            yield 0, item
+    finally:
+        await stream.aclose()

@@ -14,7 +14,12 @@ import uuid
 from ..core.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
 from ..engine.tokenization import check_text, render_chat
-from .async_engine import AsyncLLMEngine, ServerLoading, merge_streams
+from hetero_infer.server.async_engine import (
+    AsyncLLMEngine,
+    ServerLoading,
+    merge_streams,
+    one_stream,
+)
 from .extensions import ExtendedRequest, RequestExtension, merge_deltas
 from hetero_infer.server.protocol import (
     APIError,
@@ -193,6 +198,8 @@ class OpenAIHandlers:
 
     def streams(self, rids):
         "The outputs of every request of `rids`, merged, as `(index, output)`."
+        if len(rids) == 1:  # the common case: nothing to merge, no task per request
+            return one_stream(self.aeng.stream(rids[0], self.timeout))
         return merge_streams([self.aeng.stream(r, self.timeout) for r in rids])
 
     async def collect(self, rids, raw) -> list[RequestOutput] | None:
