@@ -14,12 +14,8 @@ import uuid
 from ..core.outputs import RequestOutput
 from ..core.sampling_params import SamplingParams
 from ..engine.tokenization import check_text, render_chat
-from hetero_infer.server.async_engine import (
-    AsyncLLMEngine,
-    ServerLoading,
-    merge_streams,
-    one_stream,
-)
+from .async_engine import AsyncLLMEngine, ServerLoading
+from .async_engine import merge_streams, one_stream
 from .extensions import ExtendedRequest, RequestExtension, merge_deltas
 from hetero_infer.server.protocol import (
     APIError,
