@@ -255,10 +255,13 @@ class KVImporter:
         if w.carrier is not None:
             self.admitting[w.seq.seq_id] = (w.seq, w.carrier)
 
-    def after_schedule(self, engine) -> None:
-        "Free the carriers of requests the scheduler admitted: they hold the blocks themselves."
+    def after_schedule(self, engine, sched) -> None:
+        """Free the carriers of requests the scheduler admitted: they hold the blocks themselves.
+        A step that admitted nothing, or preempted, frees them all: carriers must never be what
+        keeps their own requests out (their blocks stay cached, to be hits unless evicted)."""
+        stuck = not sched.scheduled or bool(sched.preempted)
         for sid, (seq, c) in list(self.admitting.items()):
-            if seq.block_table:
+            if seq.block_table or stuck:
                 engine.block_manager.free(c)
                 del self.admitting[sid]
 
@@ -310,7 +313,7 @@ class KVConnector(EnginePlugin):
 
     def after_schedule(self, engine, sched) -> None:
         if self.role == "decode" and self.importer.admitting:
-            self.importer.after_schedule(engine)
+            self.importer.after_schedule(engine, sched)
 
     def after_update(self, engine, sched, samples) -> None:
         if self.role == "prefill" and self.exporter.exports:

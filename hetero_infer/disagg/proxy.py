@@ -244,7 +244,11 @@ def build_proxy_app(b: Backends):
 
     @asynccontextmanager
     async def lifespan(app):
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # idle connections close before an instance's own keep-alive (uvicorn's 5 s) ends them:
+        # a request sent on a connection the server is closing would fail for nothing
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=3.0
+        )
         b.client = httpx.AsyncClient(timeout=b.timeout, limits=limits)
         yield
         await b.client.aclose()
