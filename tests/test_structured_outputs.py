@@ -25,9 +25,11 @@ from hetero_infer.structured.grammar import (  # noqa: E402
     tokenizer_info,
 )
 from hetero_infer.structured.tool_calls import (  # noqa: E402
+    constrained_params,
     constrained_tool_calls,
     parse_tool_calls,
     tool_choice_params,
+    tool_choice_schema,
     validate_tool_choice,
     validate_tools,
 )
@@ -796,3 +798,70 @@ def test_parse_tool_calls_edges(text, fmt, content, calls):
 def test_parse_tool_calls_refuses_an_unknown_format():
     with pytest.raises(ValueError, match="tool_call_parser: 'xml' is not one of"):
         parse_tool_calls("x", "xml")
+
+
+# `make mutation MUTATION_MODULES=structured.tool_calls`: the mutants these tests leave alive are
+# equivalent, no output can tell them apart:
+# - `_rebased` recursing into "enum"/"const" too ("ENUM", "XXconstXX", ...): the final merge puts
+#   the original values back over the rebased copies;
+# - `_call(obj, None)` / `_call(obj, "ARGUMENTS")` in the Hermes parser: `_call` falls back to
+#   "arguments" itself; `c = ""` for `c = None` after a JSON error: both are falsy;
+# - `json.dumps(..., ensure_ascii=None)`: None is falsy, as False is.
+# `parse_llama3_json_tool_calls` with `raw_decode(body)` (no index) loops forever: a timeout.
+
+
+def test_parse_tool_calls_reads_hermes_by_default():
+    text = 'ok <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert (content, [c["function"] for c in calls]) == (
+        "ok",
+        [{"name": "f", "arguments": '{"a": 1}'}],
+    )
+
+
+# a function whose schema has enum, const and a local $ref inside a list (anyOf)
+REF_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["c", "f"]},
+                "kind": {"const": "point"},
+                "at": {"anyOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]},
+            },
+            "$defs": {"N": {"type": "integer"}},
+        },
+    },
+}
+
+
+def test_required_schema_keeps_enum_and_const_and_rebases_refs_in_lists():
+    schema = tool_choice_schema([REF_TOOL], "required")
+    f = schema["$defs"]["f"]
+    assert f["properties"]["unit"] == {"enum": ["c", "f"]}
+    assert f["properties"]["kind"] == {"const": "point"}
+    assert f["properties"]["at"]["anyOf"] == [{"$ref": "#/$defs/f/$defs/N"}, {"type": "null"}]
+
+
+@pytest.mark.parametrize("fn", [constrained_params, tool_choice_params])
+def test_parallel_tool_calls_default_allows_several_calls(fn):
+    many = lambda *a: fn([REF_TOOL], "required", *a).json.get("maxItems")
+    assert (many(), many(True), many(False)) == (None, None, 1)
+
+
+def test_tool_errors_say_what_is_expected():
+    bad = {"type": "function", "function": {"name": "f", "parameters": []}}
+    with pytest.raises(ValueError, match=r"^tools\[0\].function.parameters: a JSON schema must be"):
+        validate_tools([bad])
+    with pytest.raises(ValueError) as e:
+        validate_tool_choice({"type": "function"}, [REF_TOOL])
+    assert str(e.value) == (
+        'tool_choice: must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}'
+    )
+    two = {"type": "object", "not": {"type": "null"}, "multipleOf": 2}
+    tools = [{"type": "function", "function": {"name": "g", "parameters": two}}]
+    with pytest.raises(ValueError, match=r"unsupported schema keyword\(s\) /not, /multipleOf$"):
+        constrained_params(tools, "required")
