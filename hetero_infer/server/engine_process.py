@@ -11,6 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import traceback
 from multiprocessing.connection import Connection
 
 from ..core.config import EngineConfig
@@ -98,10 +100,65 @@ __all__ = [
     "CALLS",
     "engine_main",
     "engine_cores",
+    "fork_safe",
+    "forked_engine",
+    "ForkedChild",
     "OutputDeltas",
     "OutputRebuilder",
     "EngineProcess",
 ]
+
+
+# %% ../../nbs/09_server.ipynb #8962a36c
+def fork_safe() -> bool:
+    "Whether this process may fork its engine: it has one OS thread (no other's lock to inherit)."
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:  # no /proc: a fresh interpreter instead
+        return False
+
+
+def forked_engine(theirs: socket.socket, cores: list[int]) -> None:
+    "The forked child: pinned to `cores`, a torch thread each, then `engine_main`; no return."
+    code = 1
+    try:
+        if cores:
+            import torch
+
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+        engine_main(Connection(theirs.detach()))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)  # never the parent's atexit handlers or buffered output
+
+
+class ForkedChild:
+    "A forked child process, seen as a `subprocess.Popen` is: poll, wait, kill, returncode."
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # -9: killed by SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 # %% ../../nbs/09_server.ipynb #9d9a0ac4
@@ -165,15 +222,30 @@ class OutputRebuilder:
 class EngineProcess:
     "An `LLMEngine` in a child process, seen through the calls the server makes; one at a time."
 
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, wait: bool = True):
+        "Start the child (forked where `fork_safe`); `wait`: until its engine is built (`ready`)."
         ours, theirs = socket.socketpair()
-        cores = ",".join(map(str, engine_cores()))
-        argv = [sys.executable, "-c", _CHILD, str(theirs.fileno()), cores]
-        self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
+        cores = engine_cores()
+        if fork_safe():
+            sys.stdout.flush()  # else the child may write what is buffered out again
+            sys.stderr.flush()
+            if (pid := os.fork()) == 0:
+                ours.close()
+                forked_engine(theirs, cores)
+            self.proc = ForkedChild(pid)
+        else:  # a fresh interpreter: pinned before it imports torch
+            argv = [sys.executable, "-c", _CHILD, str(theirs.fileno()), ",".join(map(str, cores))]
+            self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
         theirs.close()
         self.conn, self.outputs = Connection(ours.detach()), OutputRebuilder()
         self.conn.send(config or EngineConfig())
+        if wait:
+            self.ready()
+
+    def ready(self) -> EngineProcess:
+        "Wait until the child has built its engine (raises what building raised); self."
         self.config, self.tokenizer = self._reply()
+        return self
 
     def _reply(self):
         "The answer to the last call; raises what the engine raised, or `EngineDeadError`."

@@ -85,14 +85,17 @@ def serve(
     from hetero_infer.engine.llm_engine import LLMEngine
     from hetero_infer.server.engine_process import EngineProcess
 
-    make = EngineProcess if engine_process else LLMEngine
+    config = config or EngineConfig()
+    child = None  # the engine's process, started now: it builds while uvicorn starts
+    if engine_process:
+        child = EngineProcess(config, wait=False)  # forked while this process has one thread
     # listening at once: /healthz 200, /readyz 503 until the model is loaded
     aeng = AsyncLLMEngine(None)
     app = build_app(
         aeng,
         served_model_name=served_model_name,
         api_key=api_key,
-        engine_factory=lambda: make(config or EngineConfig()),
+        engine_factory=child.ready if child else lambda: LLMEngine(config),
         **app_kwargs,
     )
     cfg = uvicorn.Config(
@@ -111,6 +114,8 @@ def serve(
     finally:
         if aeng.engine is not None:
             aeng.engine.close()
+        elif child is not None:  # the server stopped before it took the engine
+            child.close()
     if aeng.load_error is not None:
         raise aeng.load_error  # the model or config could not be loaded (the CLI says which flag)
     if server.started is False:
