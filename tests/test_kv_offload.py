@@ -477,6 +477,28 @@ def test_host_pool_attach_and_copy_blocks():
     assert all(torch.equal(d[0], d[1]) for kv in dev for d in kv)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_host_pool_keeps_the_cache_dtype(dtype):
+    "Host blocks hold the device cache's dtype (not float32): half the memory, exact round trips."
+    from hetero_infer.kv_offload.host_pool import HostBlockPool, copy_blocks
+
+    dev = [tuple(torch.randn(4, 2, 3, 4).to(dtype) for _ in range(2))]
+    pool = HostBlockPool(2).attach(dev)
+    assert {c.dtype for c in pool.caches[0]} == {dtype}
+    assert copy_blocks(dev, pool.caches, [3], [1]) == 2 * (2 * 3 * 4) * 2
+    back = [tuple(torch.zeros_like(c) for c in dev[0])]
+    copy_blocks(pool.caches, back, [1], [0])
+    assert all(torch.equal(b[0], d[3]) for b, d in zip(back[0], dev[0]))
+
+
+# `make mutation` leaves these mutants of kv_offload/host_pool.py alive on a machine without a GPU,
+# where every cache is on the CPU: which device the index tensors go to, `non_blocking`, and
+# `pin` (page-locked memory is only chosen, and only possible, beside a CUDA cache); and
+# `int(a / b)` for `int(a // b)` in `host_num_blocks`: they differ only when the division rounds
+# up to a whole number, for pools of a petabyte or more.
+# `torch.tensor(ids)` without `dtype=torch.long` is int64 anyway.
+
+
 def test_host_prefix_cache_lru_pins_and_drops():
     from hetero_infer.core.sampling_params import SamplingParams
     from hetero_infer.core.sequence import Sequence
