@@ -447,6 +447,7 @@ def test_host_pool_sizes_allocates_in_order_and_refuses_by_name():
     from hetero_infer.kv_offload.host_pool import HostBlockPool, HostPoolFullError, host_num_blocks
 
     assert host_num_blocks(1, 2**20) == 1024 and host_num_blocks(0.5, 3) == 2**29 // 3
+    assert type(host_num_blocks(1.5, 7)) is int
     for bad in (0, -1, 2.0, None):
         with pytest.raises(ValueError, match=f"num_blocks must be an integer >= 1, got {bad!r}"):
             HostBlockPool(bad)
@@ -477,6 +478,22 @@ def test_host_pool_attach_and_copy_blocks():
     assert all(torch.equal(d[0], d[1]) for kv in dev for d in kv)
 
 
+def test_host_pool_pins_beside_cuda_and_indexes_each_cache_on_its_device():
+    """Page-locked host blocks by default beside a CUDA cache only, and whenever asked for; a copy
+    indexes each cache with indices on that cache's device (a meta cache stands in for a GPU)."""
+    from hetero_infer.kv_offload.host_pool import HostBlockPool, copy_blocks, pins_beside
+
+    assert pins_beside(torch.device("cuda", 1)) and not pins_beside(torch.device("cpu"))
+    dev = [tuple(torch.randn(2, 2, 1, 4) for _ in range(2))]
+    if torch.cuda.is_available():
+        assert HostBlockPool(1).attach(dev, pin=True).caches[0][0].is_pinned()
+    else:  # asked for, so tried: torch has no page-locked memory without an accelerator
+        with pytest.raises(RuntimeError, match="pin_memory"):
+            HostBlockPool(1).attach(dev, pin=True)
+    meta = [tuple(torch.empty(3, 2, 1, 4, device="meta") for _ in range(2))]
+    assert copy_blocks(dev, meta, [1, 0], [2, 0]) == 2 * 2 * (2 * 4) * 4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_host_pool_keeps_the_cache_dtype(dtype):
     "Host blocks hold the device cache's dtype (not float32): half the memory, exact round trips."
@@ -492,11 +509,10 @@ def test_host_pool_keeps_the_cache_dtype(dtype):
 
 
 # `make mutation` leaves these mutants of kv_offload/host_pool.py alive on a machine without a GPU,
-# where every cache is on the CPU: which device the index tensors go to, `non_blocking`, and
-# `pin` (page-locked memory is only chosen, and only possible, beside a CUDA cache); and
-# `int(a / b)` for `int(a // b)` in `host_num_blocks`: they differ only when the division rounds
-# up to a whole number, for pools of a petabyte or more.
-# `torch.tensor(ids)` without `dtype=torch.long` is int64 anyway.
+# where every cache is on the CPU: the device of the source indices (a CPU tensor takes indices
+# on any device), which layer's cache names the device (all are on one), `non_blocking`, and
+# `pin=False` in place of the default on a CPU cache. `torch.tensor(ids)` without
+# `dtype=torch.long` is int64 anyway.
 
 
 def test_host_prefix_cache_lru_pins_and_drops():
@@ -641,3 +657,172 @@ def test_tiered_block_manager_offloads_evictions_and_reloads_host_hits():
             assert [bm.cache.cached[blk.hash] for blk in blocks] == b.block_table[:2]
         else:
             assert [blk.hash for blk in blocks] == [None, None]
+
+
+def tiered_scheduler(budget=4, num_blocks=16, host_blocks=16, mode="swap"):
+    "A `TieredScheduler` over 4-token blocks, with a swap space of `host_blocks`."
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.scheduler import TieredScheduler
+    from hetero_infer.kv_offload.swap import SwapSpace
+
+    cfg = EngineConfig(
+        block_size=4,
+        num_blocks=num_blocks,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+        max_num_batched_tokens=budget,
+    )
+    bm = TieredBlockManager(num_blocks, 4, False)
+    return TieredScheduler(cfg, bm, SwapSpace(HostBlockPool(host_blocks), bm))
+
+
+def tier_seq(i, n):
+    from hetero_infer.core.sequence import Sequence
+
+    return Sequence(i, f"r{i}", list(range(n)), n, SamplingParams(), arrival_time=float(i))
+
+
+def tier_step(sch):
+    "One step as the engine runs it: schedule, the copies, commit, a token for each sampled row."
+    out = sch.schedule()
+    copies = sch.take_copies()
+    sch.copies_done(copies)
+    sch.update(out)
+    for x in out.scheduled:
+        if x.seq.num_computed_tokens == len(x.seq):
+            x.seq.append_token(7)
+    return out, copies
+
+
+def test_tiered_scheduler_counts_every_swap_and_fallback():
+    """Two requests preempted one after the other: both swap out in one step's copies, both come
+    back in the next, and every counter adds up (a second preemption of a request included)."""
+    from hetero_infer.scheduler.output import SchedulerOutput
+
+    sch = tiered_scheduler(budget=32)
+    a, b = tier_seq(0, 8), tier_seq(1, 8)
+    sch.add(a), sch.add(b)
+    tier_step(sch)
+    sch.preempt(a, SchedulerOutput())
+    sch.preempt(b, SchedulerOutput())
+    assert sch.swapped == [a, b] and a.num_preemptions == b.num_preemptions == 1
+    assert sch.stats.preemptions == sch.stats.swapped_out == 2
+    out, copies = tier_step(sch)  # a step that swaps out admits nothing
+    assert out.scheduled == [] and copies.swapped == [a, b] and len(copies.swap_out) == 4
+    assert copies.swap_in == copies.resumed == []
+    out, copies = tier_step(sch)
+    assert copies.resumed == [a, b] and len(copies.swap_in) == 4 and copies.swap_out == []
+    assert [x.seq for x in out.scheduled] == [a, b] and sch.stats.swapped_in == 2
+    sch.preempt(a, SchedulerOutput())
+    assert a.num_preemptions == 2 and sch.stats.preemptions == sch.stats.swapped_out == 3
+    assert sch.stats.recompute_fallbacks == 0
+    for mode, fallbacks in (("swap", 2), ("recompute", 0)):
+        sch = tiered_scheduler(budget=32, host_blocks=1, mode=mode)
+        a, b = tier_seq(0, 8), tier_seq(1, 8)
+        sch.add(a), sch.add(b)
+        tier_step(sch)
+        out = SchedulerOutput()
+        sch.preempt(a, out)
+        sch.preempt(b, out)  # two blocks each, one host block: both recompute, the last first
+        assert out.preempted == [a, b] and list(sch.waiting) == [b, a] and sch.swapped == []
+        assert sch.stats.recompute_fallbacks == fallbacks and sch.stats.swapped_out == 0
+
+
+def test_tiered_scheduler_swaps_in_only_with_budget_left():
+    """A swapped request resumes only in a step with tokens left for it: not while a prefill
+    takes the whole budget, and as soon as one token is left."""
+    from hetero_infer.scheduler.output import SchedulerOutput
+
+    sch = tiered_scheduler(budget=4)
+    s, p = tier_seq(0, 1), tier_seq(1, 10)
+    sch.add(s), sch.add(p)
+    out, _ = tier_step(sch)  # s's prompt, 3 tokens of p's
+    assert [x.num_tokens for x in out.scheduled] == [1, 3]
+    sch.preempt(s, SchedulerOutput())
+    assert sch.take_copies().swapped == [s]  # copied out before the next step
+    out, copies = tier_step(sch)  # p's next 4 tokens: no budget left for s
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(p, 4)]
+    assert sch.swapped == [s] and copies.swap_in == []
+    out, copies = tier_step(sch)  # p's last 3: one token left, s's
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(s, 1), (p, 3)]
+    assert sch.swapped == [] and copies.resumed == [s] and len(copies.swap_in) == 1
+
+
+def test_tiered_scheduler_copies_failed_recomputes_what_they_touched():
+    """Failed swap-out copies: the swapped sequences still swapped go back to the front of
+    `waiting` in order, with nothing computed, their host blocks freed (an aborted one is left
+    alone). A failed swap-in: the resumed request is preempted by recompute and leaves the step."""
+    from hetero_infer.scheduler.output import SchedulerOutput
+
+    sch = tiered_scheduler(budget=32, host_blocks=8)
+    a, b, c, w = tier_seq(0, 8), tier_seq(1, 8), tier_seq(2, 8), tier_seq(3, 8)
+    for s in (a, b, c):
+        sch.add(s)
+    tier_step(sch)
+    sch.add(w)
+    for s in (a, b, c):
+        sch.preempt(s, SchedulerOutput())
+    assert sch.swap.pool.num_free() == 2
+    sch.abort("r1")
+    out = sch.schedule()
+    copies = sch.take_copies()
+    assert copies.swapped == [a, b, c] and out.scheduled == []
+    sch.copies_failed(copies, out)
+    assert list(sch.waiting) == [a, c, w] and sch.swapped == [] and sch.swap.tables == {}
+    assert sch.swap.pool.num_free() == 8
+    for s in (a, c):
+        assert (s.status, s.num_computed_tokens, s.num_cached_tokens) == (
+            SequenceStatus.WAITING,
+            0,
+            0,
+        )
+    sch.update(out)
+
+    sch = tiered_scheduler(budget=32, host_blocks=8)
+    a, b = tier_seq(0, 8), tier_seq(1, 8)
+    sch.add(a), sch.add(b)
+    tier_step(sch)
+    sch.preempt(a, SchedulerOutput())
+    tier_step(sch)  # the swap-out step: b decodes
+    out = sch.schedule()
+    copies = sch.take_copies()
+    assert copies.resumed == [a] and [x.seq for x in out.scheduled] == [b, a]
+    sch.copies_failed(copies, out)
+    assert [x.seq for x in out.scheduled] == [b] and out.num_batched_tokens == 1
+    assert out.preempted == [a] and list(sch.waiting) == [a] and sch.running == [b]
+    assert a.status is SequenceStatus.WAITING and a.num_computed_tokens == 0
+    assert not a.block_table and sch.block_manager.num_free_blocks() == 16 - len(b.block_table)
+
+
+def test_tiered_block_manager_caches_by_default_and_pins_nothing_for_a_refused_sequence():
+    """Prefix caching is on unless asked off, as in `BlockManager`. A sequence that already holds
+    blocks (or looks as if it did) is refused before any host block is pinned for it."""
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.prefix_tier import HostPrefixCache
+
+    assert TieredBlockManager(8, 4).cache.enabled
+
+    def seq(i, toks):
+        return Sequence(i, str(i), list(toks), len(toks), SamplingParams())
+
+    bm = TieredBlockManager(3, 4, True, host=HostPrefixCache(HostBlockPool(4)))
+    a = seq(0, range(9))
+    bm.allocate(a)
+    bm.commit(a, 9)
+    bm.free(a)
+    c = seq(1, range(100, 109))
+    bm.allocate(c)  # both cached blocks of `a` go to the host
+    bm.transfers_done(*bm.take_transfers()[:2])
+    bm.free(c)
+    for stale in ([0], []):  # a stale block table; a sequence the manager still holds
+        b = seq(2, range(9))
+        b.block_table = list(stale)
+        if not stale:
+            bm.seqs[b.seq_id] = b
+        with pytest.raises(ValueError, match="already holds blocks"):
+            bm.allocate(b)
+        assert bm.host.pins == {} and bm.take_transfers() == ([], [], [])
+        bm.seqs.pop(b.seq_id, None)

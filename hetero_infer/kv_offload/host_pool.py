@@ -8,7 +8,7 @@ from collections import deque
 import torch
 
 # %% auto #0
-__all__ = ["HostPoolFullError", "host_num_blocks", "HostBlockPool", "copy_blocks"]
+__all__ = ["HostPoolFullError", "host_num_blocks", "pins_beside", "HostBlockPool", "copy_blocks"]
 
 
 # %% ../../nbs/17_kv_offload.ipynb #bff3d3c2
@@ -21,7 +21,12 @@ def host_num_blocks(
     block_bytes: int,  # one block over all layers, K and V (`kv_block_bytes`)
 ) -> int:
     "How many KV blocks `gib` GiB of host memory holds."
-    return int(gib * 2**30 // block_bytes)
+    return int(gib * 2**30) // block_bytes
+
+
+def pins_beside(device: torch.device) -> bool:
+    "Whether host blocks for a cache on `device` are page-locked by default: beside CUDA only."
+    return device.type == "cuda"
 
 
 # %% ../../nbs/17_kv_offload.ipynb #a6213759
@@ -57,7 +62,7 @@ class HostBlockPool:
         pin: bool | None = None,  # page-locked memory; None: when the device cache is on CUDA
     ) -> HostBlockPool:
         "Allocate this pool's tensors: each layer's (k, v) with `num_blocks` blocks, on the host."
-        pin = device_caches[0][0].device.type == "cuda" if pin is None else pin
+        pin = pins_beside(device_caches[0][0].device) if pin is None else pin
         self.caches = [
             tuple(
                 torch.empty((self.num_blocks, *c.shape[1:]), dtype=c.dtype, pin_memory=pin)
