@@ -773,3 +773,211 @@ def test_checkpoint_scheme_of_several_groups():
     with pytest.raises(ValueError, match="several different schemes"):
         checkpoint_scheme(cfg)
     assert checkpoint_scheme({"model_type": "llama"}) is None
+
+
+def test_report_line_names_layers_bytes_and_what_stayed_float():
+    from hetero_infer.quant.plugin import report_line
+    from hetero_infer.quant.quantize import QuantizationReport
+
+    r = QuantizationReport(
+        "int8",
+        layers={"a": None, "b": None},
+        skipped=["model.lm_head", "model.embed_tokens"],
+        bytes_before=4 * 2**20,
+        bytes_after=2**20 + 2**19,
+    )
+    assert report_line(r, torch.bfloat16) == (
+        "quantization=int8: 2 linear layers in int8, weights 4.0 -> 1.5 MiB (0.38x), "
+        "kept in bfloat16: lm_head, embed_tokens"
+    )
+    r = QuantizationReport("w8a8", bytes_after=3)  # nothing before: the ratio divides by 1
+    assert report_line(r, torch.float32) == (
+        "quantization=w8a8: 0 linear layers in int8, weights 0.0 -> 0.0 MiB (3.00x), "
+        "kept in float32: nothing; w8a8 fallbacks: counted on the first step"
+    )
+
+
+def test_check_device_refuses_old_gpus_and_w8a8_sizes_torch_int_mm_cannot_take(monkeypatch):
+    "Only CUDA is checked (its capability faked here): sm_80 or newer, W8A8 sizes multiples of 8."
+    from hetero_infer.quant.plugin import check_device
+
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 12))
+    cuda = torch.device("cuda")
+    check_device("w8a8", model, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 5))
+    old = (
+        "quantization='int8' needs compute capability 8.0 or newer on CUDA (the int8 GEMM "
+        "kernel spills on older GPUs), this GPU has 7.5"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(old)}$"):
+        check_device("int8", model, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    check_device("int8", model, cuda)  # weight-only int8: any size
+    for m, name, shape in [
+        (model, "1", "12 x 8"),
+        (nn.Sequential(nn.Linear(12, 8)), "0", "8 x 12"),
+    ]:
+        msg = (
+            "quantization='w8a8' needs layers whose sizes are multiples of 8 on CUDA "
+            f"(torch._int_mm); {name} is {shape}"
+        )
+        with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+            check_device("w8a8", m, cuda)
+    check_device("w8a8", nn.Sequential(nn.Linear(16, 8)), cuda)
+
+
+def test_w8a8_fallbacks_are_logged_once_after_the_first_forward(caplog):
+    import logging
+    from types import SimpleNamespace
+    from hetero_infer.quant.plugin import log_fallbacks_once
+    from hetero_infer.quant.quantize import QuantizationReport
+
+    def logged(layers):
+        model = nn.Linear(2, 2)
+        log_fallbacks_once(model, QuantizationReport("w8a8", layers=layers))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hetero_infer.model.runner"):
+            model(torch.zeros(1, 2))
+            model(torch.zeros(1, 2))
+        return [r.getMessage() for r in caplog.records if r.name == "hetero_infer.model.runner"]
+
+    fell = SimpleNamespace(fell_back=True, rel_error=0.123)
+    kept = SimpleNamespace(fell_back=False, rel_error=0.001)
+    assert logged({"l.0": fell, "l.1": kept, "l.2": fell}) == [
+        "quantization=w8a8: 2 of 3 layers fell back to int8: l.0 (12.3%), l.2 (12.3%)"
+    ]
+    assert logged({"l.1": kept}) == ["quantization=w8a8: 0 of 1 layers fell back to int8: none"]
+
+
+def test_two_digits_keep_a_scale_per_row_and_the_remainder_to_1_in_508():
+    from hetero_infer.quant.int8_matmul import _int_mm_two_digit, two_digits
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=g)
+    x[1] *= 1e-3  # a row below 1: its own, small scale
+    x[3] = 0
+    digits, sx = two_digits(x)
+    assert sx.shape == (4, 1)
+    assert torch.equal(sx, x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127)
+    assert digits.shape == (8, 32) and digits.abs().max() <= 127
+    q1, q2 = digits[:4], digits[4:]
+    assert ((sx * (q1 + q2 / 254) - x).abs() / sx).max() <= 1 / 508 + 1e-6
+    q, s = quantize_int8(torch.randn(24, 32, generator=g))
+    exact = (sx * (q1 + q2 / 254)).double() @ dequantize_int8(q, s).double().T
+    got = _int_mm_two_digit(x, q, s[:, 0]).double()
+    assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-6
+
+
+@pytest.mark.parametrize(
+    "M, dtype, K, packed",
+    [
+        (1, torch.bfloat16, 32, True),
+        (2, torch.float16, 32, True),
+        (3, torch.bfloat16, 32, False),  # more rows than INT8PACK_MAX_ROWS
+        (2, torch.float32, 32, False),
+        (2, torch.bfloat16, 24, False),  # K not a multiple of 16
+    ],
+)
+def test_int8_weight_matmul_takes_int8pack_for_few_half_rows_else_two_digits(M, dtype, K, packed):
+    "Which CPU kernel runs, told apart by their results (they round differently)."
+    from hetero_infer.quant.int8_matmul import _int_mm_two_digit
+
+    g = torch.Generator().manual_seed(M * K)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    q, s = quantize_int8(torch.randn(24, K, generator=g))
+    s = s[:, 0]
+    two = _int_mm_two_digit(x, q, s).to(dtype)
+    got = int8_weight_matmul(x, q, s)
+    if packed:
+        pack = torch.ops.aten._weight_int8pack_mm(x, q, s.to(dtype))
+        assert torch.equal(got, pack) and not torch.equal(pack, two)
+    else:
+        assert torch.equal(got, two)
+
+
+@pytest.mark.skipif(
+    not {"fbgemm", "onednn"} <= set(torch.backends.quantized.supported_engines),
+    reason="a torch build without fbgemm and oneDNN (not x86)",
+)
+@pytest.mark.parametrize("M", [1, 5])
+def test_packed_cpu_paths_equal_the_plain_ones_where_no_pair_sum_saturates(M):
+    """fbgemm's and oneDNN's packed GEMMs against `_int_mm`, on any x86 CPU: weights within +-64
+    keep every u8 x s8 pair sum within int16 (254 * 64 * 2 < 32767), so even without VNNI the
+    packed paths are exact; packing round-trips the weight."""
+    from hetero_infer.quant.int8_matmul import (
+        _int_mm_two_digit,
+        fbgemm_int8_matmul,
+        fbgemm_pack,
+        fbgemm_unpack,
+        onednn_pack,
+        onednn_unpack,
+        onednn_w8a8_matmul,
+    )
+
+    g = torch.Generator().manual_seed(M)
+    q = torch.randint(-64, 65, (24, 64), generator=g, dtype=torch.int8)
+    s = torch.rand(24, generator=g) / 100 + 1e-3
+    x = torch.randn(M, 64, generator=g)
+    x[0, :3] = torch.tensor([-2.0, 2.0, 0.5])  # digits at both ends
+    fb, dnn = fbgemm_pack(q, s), onednn_pack(q, s)
+    assert torch.equal(fbgemm_unpack(fb), q) and torch.equal(onednn_unpack(dnn), q)
+    assert torch.allclose(fbgemm_int8_matmul(x, fb), _int_mm_two_digit(x, q, s), atol=1e-5)
+    assert torch.allclose(onednn_w8a8_matmul(x, dnn), w8a8_matmul(x, q, s), atol=1e-5)
+    for dtype in (torch.bfloat16, torch.float16):
+        xh = x.to(dtype)
+        assert fbgemm_int8_matmul(xh, fb).dtype == onednn_w8a8_matmul(xh, dnn).dtype == dtype
+
+
+def test_int8_matmul_specs_name_the_binaries_the_gemm_launches():
+    "Two tiles per dtype (decode batches, beyond) from sm_80 on; none on a T4, where it spills."
+    from hetero_infer.quant.plugin import int8_matmul_specs
+
+    assert int8_matmul_specs("sm_75", "float16") == []
+    for arch, dtype, bk in [("sm_80", "float16", 64), ("sm_90", "float32", 32)]:
+        got = [
+            (s.kernel, s.dtype, s.arch, s.head_dims, s.constexprs, s.module, s.fn, s.pointers)
+            for s in int8_matmul_specs(arch, dtype)
+        ]
+        assert got == [
+            (
+                "int8_matmul",
+                dtype,
+                arch,
+                (64,),
+                dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk),
+                "hetero_infer.quant.kernels",
+                "_int8_weight_matmul_kernel",
+                {"qw_ptr": "i8", "wscale_ptr": "fp32"},
+            )
+            for bm in (16, 64)
+        ]
+
+
+class _SaysCuda(torch.Tensor):
+    "A CPU tensor that reports itself on CUDA: what the int8 paths hand a GPU, checked on a CPU."
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_int8_paths_hand_a_gpu_what_its_kernels_need(monkeypatch):
+    """On CUDA, weight-only int8 goes to the Triton kernel with its three tensors, and W8A8 pads
+    the rows to 17 for `torch._int_mm` (it needs more than 16 there) and returns M rows."""
+    import hetero_infer.quant.kernels as quant_kernels
+
+    calls, rows = [], []
+    monkeypatch.setattr(quant_kernels, "triton_int8_matmul", lambda *a: calls.append(a) or a[0])
+    q, s = quantize_int8(torch.randn(24, 32))
+    s = s[:, 0]
+    x = torch.randn(3, 32).as_subclass(_SaysCuda)
+    assert int8_weight_matmul(x, q, s) is x and calls == [(x, q, s)]
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows.append(a.shape[0]) or int_mm(a, b))
+    for M, cuda, padded in [(5, True, 17), (16, True, 17), (17, True, 17), (5, False, 5)]:
+        xm = torch.randn(M, 32)
+        want = w8a8_matmul(xm, q, s)
+        rows.clear()
+        got = w8a8_matmul(xm.as_subclass(_SaysCuda) if cuda else xm, q, s)
+        assert rows == [padded] and got.shape == (M, 24)
+        assert torch.equal(got.as_subclass(torch.Tensor), want)
