@@ -981,3 +981,170 @@ def test_int8_paths_hand_a_gpu_what_its_kernels_need(monkeypatch):
         got = w8a8_matmul(xm.as_subclass(_SaysCuda) if cuda else xm, q, s)
         assert rows == [padded] and got.shape == (M, 24)
         assert torch.equal(got.as_subclass(torch.Tensor), want)
+
+
+def _small_int8_linear(mode, K=64, N=24, bias=True, seed=0):
+    "A quantized layer with weights within +-64 (no u8 x s8 pair sum saturates int16) and `x`."
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-64, 65, (N, K), generator=g, dtype=torch.int8)
+    s = torch.rand(N, generator=g) / 100 + 1e-3
+    b = torch.randn(N, generator=g) if bias else None
+    return QuantizedLinear.from_quantized(q, s, b, mode, torch.float32), torch.randn(5, K)
+
+
+@pytest.mark.parametrize("mode", QUANTIZATION_MODES)
+def test_layers_pack_on_first_use_where_fbgemm_runs(monkeypatch, mode):
+    """Where fbgemm runs exactly (VNNI; faked here, with weights that cannot saturate), a layer
+    packs its weight on first use (W8A8 after its check), keeps one copy (a table shared with an
+    embedding stays), computes what the plain paths do and counts the packed bytes."""
+    import hetero_infer.quant.quantize as quantize
+
+    plain, x = _small_int8_linear(mode)
+    want = plain(x)
+    assert plain.packed is None and plain.qweight is not None  # this CPU: no VNNI, or not faked
+    monkeypatch.setattr(quantize, "fbgemm_available", lambda: True)
+    layer, _ = _small_int8_linear(mode)
+    q = layer.qweight.clone()
+    before = module_bytes(layer)
+    assert torch.allclose(layer(x), want, atol=1e-5) and torch.allclose(layer(x), want, atol=1e-5)
+    assert layer.qweight is None and layer.packed is not None
+    assert torch.equal(layer.int8_weight(), q)
+    assert layer.packed_bytes == 24 * (64 + 4)
+    assert module_bytes(layer) == before - 24 * 64 + 24 * (64 + 4)
+    emb = QuantizedEmbedding.from_float(nn.Embedding(24, 64))
+    head = emb.tied_lm_head(mode)
+    head(torch.randn(2, 64))
+    assert head.packed is not None and head.qweight is emb.qweight and head.shared
+    fell, _ = _small_int8_linear("w8a8")
+    fell.max_rel_error = 0.0  # every first-call error passes it: weight-only from then on
+    y = fell(x)
+    assert fell.fell_back and fell.packed is None and fell.qweight is not None
+    assert torch.allclose(y, int8_weight_matmul(x, q, fell.scale) + fell.bias, atol=1e-5)
+
+
+def test_quantized_layers_load_their_state_dicts_into_empty_layers():
+    "The buffers an empty layer is built with have the shapes and dtypes its state dict brings."
+    ql, x = _small_int8_linear("w8a8")
+    empty = QuantizedLinear(64, 24, bias=True, mode="w8a8", dtype=torch.float32)
+    empty.load_state_dict(ql.state_dict())
+    assert empty.qweight.dtype == torch.int8 and empty.scale.dtype == torch.float32
+    assert torch.equal(empty(x), ql(x))
+    emb = QuantizedEmbedding.from_float(nn.Embedding(10, 8))
+    empty = QuantizedEmbedding(10, 8, torch.float32)
+    empty.load_state_dict(emb.state_dict())
+    assert empty.qweight.dtype == torch.int8 and torch.equal(
+        empty(torch.arange(10)), emb(torch.arange(10))
+    )
+    d = QuantizedLinear(8, 4)
+    assert (d.mode, d.bias, d.max_rel_error, d.fell_back, d.shared) == (
+        "int8",
+        None,
+        0.05,
+        False,
+        False,
+    )
+    assert d.qweight.dtype == torch.int8 and d.qweight.shape == (4, 8) and d.scale.shape == (4,)
+    assert (d.bias, d.out_features) == (None, 4) and repr(
+        d
+    ) == "QuantizedLinear(in=8, out=4, mode=int8)"
+    e = QuantizedEmbedding(10, 8)
+    assert (e.qweight.shape, e.qweight.dtype, e.scale.shape) == ((10, 8), torch.int8, (10,))
+
+
+def test_from_quantized_and_from_float_keep_modes_dtypes_and_thresholds():
+    q = torch.randint(-127, 128, (4, 8), dtype=torch.int8)
+    m = QuantizedLinear.from_quantized(q, torch.ones(4, dtype=torch.bfloat16), torch.ones(4))
+    assert (m.mode, m.max_rel_error) == ("int8", 0.05) and m.scale.dtype == torch.float32
+    assert m.bias.dtype == torch.bfloat16 and m.qweight is q
+    lin = nn.Linear(8, 4).to(torch.float16)
+    m = QuantizedLinear.from_float(lin, max_rel_error=0.3)
+    assert (m.mode, m.max_rel_error, m.bias.dtype) == ("int8", 0.3, torch.float16)
+    assert torch.equal(m.scale, quantize_int8(lin.weight)[1][:, 0])  # per channel
+    head = QuantizedEmbedding.from_float(nn.Embedding(4, 8)).tied_lm_head("w8a8", 0.2)
+    assert (head.mode, head.max_rel_error, head.bias) == ("w8a8", 0.2, None)
+    m = QuantizedLinear.from_float(nn.Linear(8, 4), "w8a8")
+    m.rel_error, m.fell_back = 0.125, True
+    assert m.extra_repr() == "in=8, out=4, mode=w8a8, fell_back (error 12.5%)"
+
+
+def test_w8a8_check_measures_relative_error_even_for_small_activations():
+    "The first-call error is relative: activations 1000x smaller give the same error."
+    lin = nn.Linear(64, 32)
+    x = torch.randn(4, 64)
+    errors = []
+    for k in (1.0, 1e-3):
+        m = QuantizedLinear.from_float(lin, "w8a8")
+        errors.append(m.check(x * k))
+    assert 0 < errors[0] < 0.05 and errors[1] == pytest.approx(errors[0], rel=0.1)
+    m = QuantizedLinear.from_float(lin, "w8a8", max_rel_error=errors[0])
+    m.check(x)
+    assert not m.fell_back  # at the threshold: not past it
+
+
+def test_int8_scales_default_to_channels_and_groups_of_128():
+    w = torch.randn(4, 256)
+    assert torch.equal(quantize_int8(w)[1], quantize_int8(w, "channel")[1])
+    assert quantize_int8(w, "group")[1].shape == (4, 2)
+    assert quantize_int8(w, "group", 1)[1].shape == (4, 256)
+    q, s = quantize_int8(w, "group", 64)
+    assert (dequantize_int8(q, s) - w).abs().max() <= s.max() / 2 + 1e-6
+
+
+def test_fp8_given_scales_saturate_and_come_back_in_the_asked_dtype():
+    x = torch.tensor([-1000.0, -1.0, 0.5, 1000.0])
+    q, s = quantize_fp8(x, torch.tensor(1.0, dtype=torch.float64))
+    assert s.dtype == torch.float32 and s.shape == ()
+    assert q.float().tolist() == [-FP8_MAX, -1.0, 0.5, FP8_MAX]
+    q, s = quantize_fp8(x * 1e-3)
+    assert (
+        s == pytest.approx(1.0 / FP8_MAX)
+        and dequantize_fp8(q, s, torch.bfloat16).dtype == torch.bfloat16
+    )
+
+
+def test_kv_block_bytes_and_blocks_at_equal_memory():
+    from hetero_infer.quant.quantize import kv_block_bytes
+
+    assert kv_block_bytes(3, 16, 4, 64, torch.float16) == 2 * 3 * 16 * 4 * 64 * 2
+    per = kv_block_bytes(3, 16, 4, 64, FP8_DTYPE)
+    assert per == 2 * 3 * 16 * 4 * 64
+    assert kv_blocks_at_equal_memory(10 * per + 24, 3, 16, 4, 64, FP8_DTYPE) == 10  # 24: scales
+    assert kv_blocks_at_equal_memory(10 * per + 23, 3, 16, 4, 64, FP8_DTYPE) == 9
+    assert kv_blocks_at_equal_memory(10 * per - 1, 3, 16, 4, 64, torch.float8_e5m2) == 9
+    assert kv_blocks_at_equal_memory(20, 3, 16, 4, 64, FP8_DTYPE) == 0
+    assert type(kv_blocks_at_equal_memory(10 * per, 3, 16, 4, 64, torch.float16)) is int
+
+
+def test_quantize_model_ties_heads_registered_before_their_table_and_skips_by_last_name():
+    "Tables are quantized before the heads that share them, whatever the order of the modules."
+    from hetero_infer.quant.quantize import QuantizationReport
+
+    model = nn.Module()
+    model.a_head = nn.Linear(8, 12, bias=False)  # registered (and named) before its table
+    model.z_embed = nn.Embedding(12, 8)
+    model.a_head.weight = model.z_embed.weight
+    model.inner = nn.Module()
+    model.inner.proj = nn.Linear(8, 8)
+    model.inner.block = nn.Module()
+    model.inner.block.lm_head = nn.Linear(8, 4)
+    r = quantize_model(model, "w8a8", skip=("lm_head",), max_rel_error=0.5)
+    assert r.tied == {"a_head": "z_embed"} and model.a_head.qweight is model.z_embed.qweight
+    assert r.embeddings == {"z_embed": model.z_embed} and isinstance(
+        model.z_embed, QuantizedEmbedding
+    )
+    assert r.skipped == ["inner.block.lm_head"] and type(model.inner.block.lm_head) is nn.Linear
+    assert {n: m.max_rel_error for n, m in r.layers.items()} == {"a_head": 0.5, "inner.proj": 0.5}
+    assert model.inner.proj is r.layers["inner.proj"] and model.a_head.mode == "w8a8"
+    ratio = r.bytes_after / r.bytes_before
+    assert repr(r) == (
+        f"QuantizationReport(w8a8: 2 layers, 1 embeddings, 1 tied, 1 skipped, 0 fell back; "
+        f"bytes {ratio:.3f}x)"
+    )
+    assert repr(QuantizationReport("int8", bytes_after=2)) == (
+        "QuantizationReport(int8: 0 layers, 0 embeddings, 0 tied, 0 skipped, 0 fell back; "
+        "bytes 2.000x)"
+    )
+    with pytest.raises(ValueError, match=r"^quantization must be one of \('int8', 'w8a8'\) to"):
+        quantize_model(nn.Linear(2, 2), None)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quantize_model(nn.Linear(2, 2), "int4")

@@ -71,7 +71,7 @@ def quantize_int8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     "(int8 `q`, float32 scales) with `w ≈ q * scale`, symmetric, at this granularity."
     scale = int8_scales(w, granularity, group_size)
-    q = torch.round(w.detach().float() / _expand(scale, w.shape[1])).clamp(-127, 127)
+    q = torch.round(w.detach().float() / _expand(scale, w.shape[1]))  # |w| <= amax: |q| <= 127
     return q.to(torch.int8), scale
 
 
@@ -196,7 +196,7 @@ class QuantizedLinear(Int8Weight):
         with torch.device("meta"):  # no second copy: the buffers are the tensors given
             m = cls(K, N, bias is not None, mode, dtype, max_rel_error)
         m.qweight = qweight
-        m.scale = scale if scale.dtype == torch.float32 else scale.float()
+        m.scale = scale.float()  # (the tensor itself when it is float32)
         if bias is not None:
             m.bias = bias.to(dtype)
         return m
@@ -218,7 +218,7 @@ class QuantizedLinear(Int8Weight):
         elif self.mode == "w8a8" and not self.fell_back:
             y = w8a8_matmul(x2, self.qweight, self.scale)
         elif self.mode == "int8" and self.pack():  # CPU with VNNI: fbgemm, any rows
-            y = fbgemm_int8_matmul(x2, self.packed).to(x.dtype)
+            y = fbgemm_int8_matmul(x2, self.packed)
         else:
             y = int8_weight_matmul(x2, self.int8_weight(), self.scale)
         if self.bias is not None:
@@ -306,7 +306,7 @@ class QuantizationReport:
 def _swap(model: nn.Module, name: str, new: nn.Module):
     "Put `new` where the submodule `name` is."
     parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
+    setattr(model.get_submodule(parent), child, new)  # "": the model itself
 
 
 def quantize_model(
