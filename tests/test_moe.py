@@ -296,3 +296,172 @@ def test_method_choice_and_the_sm75_refusal():
         moe_method("triton", "cuda", capability=(7, 5))
     with pytest.raises(ValueError, match="method must be one of"):
         MoEBlock(MoEConfig(4, 2, 8, 4), method="fast")
+
+
+# --- the layer across ranks (moe.parallel) ---
+
+
+def _all_to_all_rank(rank, world, init):
+    "One rank: the all-to-all MoE of its own tokens equals the whole layer and the replicated one."
+    import torch.distributed as dist
+    from hetero_infer.parallel.runner import init_group
+
+    init_group(rank, world, init, "cpu", timeout=30)
+    for family in ("qwen3_moe", "qwen2_moe"):  # without and with a shared expert
+        _all_to_all_check(rank, world, family)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _all_to_all_check(rank, world, family):
+    import torch
+    from hetero_infer.moe.layer import MoEBlock, MoEConfig, expert_shard
+    from hetero_infer.moe.parallel import moe_all_to_all
+    from hetero_infer.parallel.shards import COMM_BYTES, all_reduce
+
+    torch.manual_seed(0)  # the same weights on every rank
+    shared = 24 if family == "qwen2_moe" else 0
+    cfg = MoEConfig(8, 3, 32, 16, shared_expert_intermediate_size=shared, family=family)
+    full = MoEBlock(cfg, "grouped").requires_grad_(False)
+    for p in full.parameters():
+        p.normal_(0, 0.3)
+    experts = expert_shard(8, world, rank)
+    state = {k: (v[experts.start : experts.stop] if k.startswith("experts.") else v)
+             for k, v in full.state_dict().items()}  # fmt: skip
+    local = MoEBlock(cfg, "grouped", experts)
+    local.load_state_dict(state)
+    local.owns_shared = rank == 0
+    xs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in (5, 1)]
+    mine = xs[rank]  # different tokens, and a different count, per rank
+    got = moe_all_to_all(local, mine)
+    torch.testing.assert_close(got, full(mine), rtol=1e-5, atol=1e-5)
+    assert COMM_BYTES["all_to_all"] > 0
+    every = torch.cat(xs)  # the replicated form over everyone's tokens, for this rank's rows
+    rep = all_reduce(local(every)).split([len(x) for x in xs])[rank]  # every rank reduces
+    torch.testing.assert_close(got, rep, rtol=1e-5, atol=1e-5)
+
+
+def test_all_to_all_dispatch_equals_the_replicated_form():
+    import torch.multiprocessing as mp
+    from hetero_infer.parallel.runner import _free_port
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_all_to_all_rank, args=(2, init), nprocs=2, join=True)
+
+
+def _full_block(family="qwen2_moe", seed=0):
+    "A MoE block of 8 experts (top 3, width 32) over hidden size 16, with a shared expert."
+    shared = 24 if family == "qwen2_moe" else 0
+    cfg = MoEConfig(8, 3, 16, 32, shared_expert_intermediate_size=shared, family=family)
+    torch.manual_seed(seed)
+    full = MoEBlock(cfg, "grouped").requires_grad_(False)
+    for p in full.parameters():
+        p.normal_(0, 0.3)
+    return cfg, full
+
+
+def test_feature_slice_cuts_gate_up_rows_and_down_columns():
+    from hetero_infer.moe.parallel import feature_slice
+
+    gu, dn = torch.randn(2, 12, 4), torch.randn(2, 4, 6)
+    state = {"experts.gate_up_proj": gu, "experts.down_proj": dn}
+    assert feature_slice(state, range(6), 6) is state
+    cut = feature_slice(dict(state), range(2, 5), 6)
+    assert torch.equal(cut["experts.gate_up_proj"], torch.cat([gu[:, 2:5], gu[:, 8:11]], dim=1))
+    assert torch.equal(cut["experts.down_proj"], dn[:, :, 2:5])
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_the_ranks_parts_of_a_moe_block_sum_to_the_whole(ep):
+    """`shard_moe` gives each of 2 ranks whole experts (expert parallel) or a slice of every
+    expert's features, the shared expert on rank 0; their outputs (before the all-reduce, which
+    one process skips) add up to the whole block's."""
+    from types import SimpleNamespace
+    from hetero_infer.moe.parallel import ParallelMoEBlock, feature_slice, shard_moe
+    from hetero_infer.parallel.shards import ShardPlan
+
+    cfg, full = _full_block()
+    x = torch.randn(7, 16)
+    parts = []
+    for rank in (0, 1):
+        plan = ShardPlan(rank, 2, range(0), range(0), range(0), range(0), 0)
+        block = shard_moe(full, None, plan, SimpleNamespace(enable_expert_parallel=ep))
+        assert isinstance(block, ParallelMoEBlock) and block.owns_shared == (rank == 0)
+        if ep:
+            assert (block.held, block.features) == (range(4 * rank, 4 * rank + 4), range(32))
+        else:
+            assert (block.held, block.features) == (range(8), range(16 * rank, 16 * rank + 16))
+        assert block.cfg.intermediate_size == len(block.features) and block.full is cfg
+        state = {
+            k: (v[block.held.start : block.held.stop] if k.startswith("experts.") else v)
+            for k, v in full.state_dict().items()
+        }
+        block.load_state_dict(feature_slice(state, block.features, 32))
+        parts.append(block(x))
+    torch.testing.assert_close(parts[0] + parts[1], full(x), rtol=1e-5, atol=1e-5)
+    assert shard_moe(torch.nn.Linear(2, 2), None, plan, SimpleNamespace()) is None
+    plan = ShardPlan(0, 3, range(0), range(0), range(0), range(0), 0)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size \(3\) must divide the experts' "):
+        shard_moe(full, None, plan, SimpleNamespace(enable_expert_parallel=False))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_all_to_all_moe_in_one_process_equals_the_block(family):
+    "One rank: every pair stays here; dispatch, the experts and combine give the block's output."
+    from hetero_infer.moe.parallel import all_to_all, ep_combine, ep_dispatch, moe_all_to_all
+
+    _, full = _full_block(family)
+    x = torch.randn(6, 16)
+    torch.testing.assert_close(moe_all_to_all(full, x), full(x), rtol=1e-5, atol=1e-5)
+    assert all_to_all(x, [6]) == (x, [6])
+    weights, ids = full.route(x)
+    rows, w, e, state = ep_dispatch(x, weights, ids, 8)
+    k = ids.shape[1]
+    assert torch.equal(rows, x.repeat_interleave(k, 0)) and torch.equal(e, ids.reshape(-1))
+    assert w.dtype == torch.float32 and torch.equal(w, weights.reshape(-1).float())
+    assert torch.equal(state[0], torch.arange(6).repeat_interleave(k)) and state[1] == [6 * k]
+    assert torch.equal(
+        ep_combine(rows * w[:, None], state, 6), (x[:, None] * weights[..., None]).sum(1)
+    )
+
+
+def test_moe_families_read_their_sliding_windows():
+    from hetero_infer.moe.model import mixtral_windows, qwen2_moe_windows, qwen3_moe_windows
+
+    assert mixtral_windows({"num_hidden_layers": 2}) == [None, None]
+    assert mixtral_windows({"num_hidden_layers": 2, "sliding_window": 64}) == [64, 64]
+    d = {"num_hidden_layers": 3, "sliding_window": 32}
+    assert qwen3_moe_windows(d) == [None] * 3
+    assert qwen3_moe_windows({**d, "use_sliding_window": True}) == [32] * 3
+    assert qwen2_moe_windows(d) == [None] * 3
+    types = ["full_attention", "sliding_attention"]
+    got = qwen2_moe_windows({**d, "num_hidden_layers": 2, "use_sliding_window": True,
+                             "layer_types": types, "max_window_layers": 1})  # fmt: skip
+    assert got == [None, 32]
+    msg = (
+        "unsupported use_sliding_window: a Qwen2-MoE config with sliding windows but no layer_types"
+    )
+    with pytest.raises(ValueError, match=f"^{msg}$"):
+        qwen2_moe_windows({**d, "use_sliding_window": True})
+
+
+def test_fused_moe_specs_name_the_binaries_fused_moe_launches():
+    "Gated and plain at both row tiles from sm_80 on; fp32 with exact dots on 8 warps."
+    from hetero_infer.moe.kernels import fused_moe_tiles
+    from hetero_infer.moe.model import fused_moe_specs
+
+    assert fused_moe_specs("sm_75", "float16") == []
+    for arch, dtype, warps, precision in [("sm_80", "float16", 4, "tf32"),
+                                          ("sm_90", "float32", 8, "ieee")]:  # fmt: skip
+        tiles = sorted({fused_moe_tiles(n, 8, getattr(torch, dtype)) for n in (8, 136)})
+        assert len(tiles) == 2
+        got = [(s.kernel, s.dtype, s.arch, s.head_dims, s.constexprs, s.num_warps, s.module, s.fn,
+                s.pointers) for s in fused_moe_specs(arch, dtype)]  # fmt: skip
+        pointers = {"w_ptr": "fp32", "sorted_ids_ptr": "i32", "block_expert_ptr": "i32"}
+        assert got == [
+            ("fused_moe", dtype, arch, (64,),
+             dict(GATED=g, MUL_WEIGHT=not g, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  DOT_PRECISION=precision),
+             warps, "hetero_infer.moe.kernels", "_fused_moe_kernel", pointers)
+            for g in (True, False) for bm, bn, bk in tiles
+        ]  # fmt: skip

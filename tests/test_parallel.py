@@ -112,54 +112,6 @@ def test_moe_tp2_ep_with_chunked_prefill_prefix_caching_and_preemption(tmp_path)
     assert stats["preemptions"] > 0 and stats["prefix_cache"]["cache_hits"] > 0, stats
 
 
-def _all_to_all_rank(rank, world, init):
-    "One rank: the all-to-all MoE of its own tokens equals the whole layer and the replicated one."
-    import torch.distributed as dist
-    from hetero_infer.parallel.runner import init_group
-
-    init_group(rank, world, init, "cpu", timeout=30)
-    for family in ("qwen3_moe", "qwen2_moe"):  # without and with a shared expert
-        _all_to_all_check(rank, world, family)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _all_to_all_check(rank, world, family):
-    import torch
-    from hetero_infer.moe.layer import MoEBlock, MoEConfig, expert_shard
-    from hetero_infer.moe.parallel import moe_all_to_all
-    from hetero_infer.parallel.shards import COMM_BYTES, all_reduce
-
-    torch.manual_seed(0)  # the same weights on every rank
-    shared = 24 if family == "qwen2_moe" else 0
-    cfg = MoEConfig(8, 3, 32, 16, shared_expert_intermediate_size=shared, family=family)
-    full = MoEBlock(cfg, "grouped").requires_grad_(False)
-    for p in full.parameters():
-        p.normal_(0, 0.3)
-    experts = expert_shard(8, world, rank)
-    state = {k: (v[experts.start : experts.stop] if k.startswith("experts.") else v)
-             for k, v in full.state_dict().items()}  # fmt: skip
-    local = MoEBlock(cfg, "grouped", experts)
-    local.load_state_dict(state)
-    local.owns_shared = rank == 0
-    xs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in (5, 1)]
-    mine = xs[rank]  # different tokens, and a different count, per rank
-    got = moe_all_to_all(local, mine)
-    torch.testing.assert_close(got, full(mine), rtol=1e-5, atol=1e-5)
-    assert COMM_BYTES["all_to_all"] > 0
-    every = torch.cat(xs)  # the replicated form over everyone's tokens, for this rank's rows
-    rep = all_reduce(local(every)).split([len(x) for x in xs])[rank]  # every rank reduces
-    torch.testing.assert_close(got, rep, rtol=1e-5, atol=1e-5)
-
-
-def test_all_to_all_dispatch_equals_the_replicated_form():
-    import torch.multiprocessing as mp
-    from hetero_infer.parallel.runner import _free_port
-
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(_all_to_all_rank, args=(2, init), nprocs=2, join=True)
-
-
 def test_tp_refuses_a_split_the_model_cannot_take(tmp_path):
     _model(tmp_path, "llama")  # 4 heads
     with pytest.raises(
