@@ -2,9 +2,8 @@
 tensor_parallel_size=2 equals one process and transformers for every family (one replicated KV
 head, a vocabulary not divisible by 2, tied and untied embeddings), also with chunked prefill,
 prefix caching and preemption; mixture-of-experts models with TP over experts and with expert
-parallelism; the server answers with 2
-ranks and leaves no process behind; a worker that dies ends the engine with an error naming it,
-within the timeout."""
+parallelism; the server answers with 2 ranks and leaves no process behind; a worker that dies
+ends the engine with an error naming it, within the timeout."""
 
 import os
 import signal
