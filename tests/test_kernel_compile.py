@@ -8,6 +8,7 @@ with unchanged kernels fast."""
 
 import importlib
 import os
+import re
 import textwrap
 import pytest
 import torch
@@ -158,3 +159,74 @@ def test_int8_gemm_launches_what_the_check_compiles(monkeypatch, M):
     x, w = torch.zeros(M, 64), torch.zeros(32, 64, dtype=torch.int8)
     quant_kernels.triton_int8_matmul(x, w, torch.ones(32))
     assert any({n: calls[0][1][n] for n in s.constexprs} == s.constexprs for s in specs), calls
+
+
+class _SaysCuda(torch.Tensor):
+    "A CPU tensor that reports itself on CUDA."
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("pairs", [4, 40])  # decode-sized: 16-row tiles; beyond 16 per expert
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_moe_launches_what_the_check_compiles(monkeypatch, pairs, dtype):
+    "Both launches (gated, plain) pass the constexprs and warps of one of `fused_moe_specs`."
+    import hetero_infer.moe.kernels as moe_kernels
+
+    calls = []
+    specs = fused_moe_specs("sm_80", str(dtype)[6:])
+    monkeypatch.setattr(moe_kernels, "_fused_moe_kernel", _Recorder("_fused_moe_kernel", calls))
+    T, k = pairs // 2, 2
+    x, ids = torch.zeros(T, 64, dtype=dtype), torch.randint(0, 2, (T, k))
+    gate_up, down = torch.zeros(2, 64, 64, dtype=dtype), torch.zeros(2, 64, 32, dtype=dtype)
+    moe_kernels.fused_moe(x, gate_up, down, torch.ones(T, k), ids)
+    assert [kw["GATED"] for _, kw in calls] == [True, False]
+    for _, kw in calls:
+        assert any(
+            {n: kw[n] for n in s.constexprs} == s.constexprs and kw["num_warps"] == s.num_warps
+            for s in specs
+        ), kw
+    assert calls[0][1]["BLOCK_M"] == (16 if pairs <= 16 * 2 else 64)
+
+
+def test_fused_moe_refuses_gpus_before_sm80(monkeypatch):
+    import hetero_infer.moe.kernels as moe_kernels
+
+    calls = []
+    monkeypatch.setattr(moe_kernels, "_fused_moe_kernel", _Recorder("_fused_moe_kernel", calls))
+    x = torch.zeros(2, 64).as_subclass(_SaysCuda)
+    args = (
+        torch.zeros(2, 64, 64),
+        torch.zeros(2, 64, 32),
+        torch.ones(2, 1),
+        torch.zeros(2, 1, dtype=torch.long),
+    )
+    caps = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: caps[d.type])
+    caps["cpu"] = (7, 5)
+    msg = (
+        "the fused MoE kernel needs compute capability 8.0 or newer (it spills registers on older "
+        "GPUs), this GPU has 7.5; use method='grouped'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+        moe_kernels.fused_moe(x, *args)
+    assert calls == []
+    caps["cpu"] = (8, 0)
+    moe_kernels.fused_moe(x, *args)
+    assert len(calls) == 2
+
+
+def test_fused_moe_tiles_and_block_layout():
+    from hetero_infer.moe.kernels import align_block_size, fused_moe_tiles
+
+    assert fused_moe_tiles(16 * 8, 8) == (16, 64, 64) and fused_moe_tiles(16 * 8 + 1, 8) == (
+        64,
+        64,
+        64,
+    )
+    assert fused_moe_tiles(4, 8, torch.float32) == (16, 64, 32)
+    sorted_ids, block_expert = align_block_size(torch.tensor([[1, 0], [1, 3]]), 2, 2)
+    assert sorted_ids.dtype == block_expert.dtype == torch.int32
+    assert sorted_ids.tolist() == [1, 4, 0, 2] and block_expert.tolist() == [0, 1]
