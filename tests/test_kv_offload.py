@@ -510,8 +510,8 @@ def test_host_pool_keeps_the_cache_dtype(dtype):
 
 # `make mutation` leaves these mutants of kv_offload/host_pool.py alive on a machine without a GPU,
 # where every cache is on the CPU: the device of the source indices (a CPU tensor takes indices
-# on any device), which layer's cache names the device (all are on one), `non_blocking`, and
-# `pin=False` in place of the default on a CPU cache. `torch.tensor(ids)` without
+# on any device), which of a layer's caches names the device (K and V are on one), `non_blocking`,
+# and `pin` left None in place of the default on a CPU cache. `torch.tensor(ids)` without
 # `dtype=torch.long` is int64 anyway.
 
 
@@ -826,3 +826,36 @@ def test_tiered_block_manager_caches_by_default_and_pins_nothing_for_a_refused_s
             bm.allocate(b)
         assert bm.host.pins == {} and bm.take_transfers() == ([], [], [])
         bm.seqs.pop(b.seq_id, None)
+
+
+# Equivalent mutants of kv_offload/scheduler.py: `return` for the `break` that ends `_swap_in`'s
+# loop (nothing follows it), and `ok=None` for `ok=False` (both falsy).
+
+
+def test_tiered_scheduler_drops_the_host_copies_of_a_failed_offload():
+    """Offloads whose copy failed leave nothing on the host (the blocks may hold garbage);
+    offloads that ran stay there as host prefix hits."""
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.prefix_tier import HostPrefixCache
+    from hetero_infer.kv_offload.scheduler import TieredScheduler
+    from hetero_infer.scheduler.output import SchedulerOutput
+
+    for failed in (False, True):
+        cfg = EngineConfig(block_size=4, num_blocks=3, enable_prefix_caching=True)
+        bm = TieredBlockManager(3, 4, True, host=HostPrefixCache(HostBlockPool(4)))
+        sch = TieredScheduler(cfg, bm)
+        a = Sequence(0, "a", list(range(9)), 9, SamplingParams())
+        bm.allocate(a)
+        bm.commit(a, 9)
+        bm.free(a)
+        bm.allocate(Sequence(1, "c", list(range(100, 109)), 9, SamplingParams()))  # evicts a's
+        copies = sch.take_copies()
+        assert len(copies.offload) == 2
+        if failed:
+            sch.copies_failed(copies, SchedulerOutput())
+        else:
+            sch.copies_done(copies)
+        assert len(bm.host.entries) == (0 if failed else 2) and bm.host.pins == {}
+        assert bm.host.pool.num_free() == (4 if failed else 2)
