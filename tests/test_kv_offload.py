@@ -859,3 +859,138 @@ def test_tiered_scheduler_drops_the_host_copies_of_a_failed_offload():
             sch.copies_done(copies)
         assert len(bm.host.entries) == (0 if failed else 2) and bm.host.pins == {}
         assert bm.host.pool.num_free() == (4 if failed else 2)
+
+
+class _SaysCuda(torch.Tensor):
+    "A CPU tensor that reports itself on CUDA."
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _tier_and_caches(cuda=False):
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.prefix_tier import HostPrefixCache
+    from hetero_infer.kv_offload.tier import KVTier
+
+    dev = [tuple(torch.randn(6, 2, 1, 4) for _ in range(2)) for _ in range(2)]
+    if cuda:
+        dev = [tuple(c.as_subclass(_SaysCuda) for c in kv) for kv in dev]
+    tier = KVTier(HostBlockPool(4).attach(dev), HostPrefixCache(HostBlockPool(6).attach(dev)))
+    return tier, dev
+
+
+def test_kv_tier_counts_each_steps_copies_out_then_in(monkeypatch):
+    "Device -> host first (swap-outs, offloads), then host -> device; blocks, bytes, time."
+    import itertools
+    from hetero_infer.kv_offload.scheduler import HostCopies
+    from hetero_infer.kv_offload.tier import TransferStats
+
+    tier, dev = _tier_and_caches()
+    calls, copy = [], tier.copy
+    tier.copy = lambda *a: calls.append((a[0] is dev, a[2], a[3], a[4])) or copy(*a)
+    tier.apply(HostCopies(), dev)
+    assert tier.stats == TransferStats() and calls == []  # nothing to copy: not a copying step
+    clock = itertools.count(100.0, 0.5)  # each perf_counter call: half a second later
+    monkeypatch.setattr("hetero_infer.kv_offload.tier.time.perf_counter", lambda: next(clock))
+    c = HostCopies(swap_out=[(0, 0), (1, 1)], offload=[(2, 0)], swap_in=[(2, 3)], reload=[(1, 5)])
+    for step in (1, 2):
+        tier.apply(c, dev)
+        s = tier.stats
+        assert (s.steps, s.blocks_out, s.blocks_in, s.failures) == (step, 3 * step, 2 * step, 0)
+        assert s.bytes == step * 5 * 2 * 2 * (2 * 1 * 4) * 4  # blocks x layers x (k, v) x fp32
+        assert s.seconds == 0.5 * step
+    assert calls[:4] == [
+        (True, [0, 1], [0, 1], False),
+        (True, [2], [0], False),
+        (False, [2], [3], False),
+        (False, [1], [5], False),
+    ]
+    assert torch.equal(dev[1][0][3], tier.swap.caches[1][0][2])
+
+
+def test_kv_tier_copies_on_a_side_stream_ordered_against_the_forward_pass(monkeypatch):
+    """Beside CUDA caches (a CPU stand-in here), one side stream, made once on the caches'
+    device, waits for the step's KV writes, runs every copy (non-blocking), and the forward pass
+    waits for it; beside a CPU cache no stream is touched."""
+    import contextlib
+    from hetero_infer.kv_offload.scheduler import HostCopies
+
+    log = []
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = device
+            log.append(("new", device))
+
+        def wait_stream(self, other):
+            log.append((self, "waits", other))
+
+    main = Stream.__new__(Stream)
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("enter", stream))
+        yield
+        log.append(("exit", stream))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    c = HostCopies(swap_out=[(0, 0)], reload=[(1, 5)])
+    tier, dev = _tier_and_caches()
+    tier.apply(c, dev)
+    assert log == [] and tier._stream is None
+    tier, dev = _tier_and_caches(cuda=True)
+    copy = tier.copy
+    tier.copy = lambda *a: log.append(("copy", a[4])) or copy(*a)
+    for _ in range(2):
+        tier.apply(c, dev)
+    side = tier._stream
+    assert isinstance(side, Stream) and side.device == dev[0][0].device
+    step = [(side, "waits", main), ("enter", side), ("copy", True), ("copy", True), ("exit", side),
+            (main, "waits", side)]  # fmt: skip
+    assert log == [("new", dev[0][0].device)] + step + step
+
+
+def test_kv_audit_names_each_corruption():
+    "Each way the device pool can go wrong has its own line (and the host audit adds to them)."
+    from hetero_infer.core.sequence import Sequence
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.scheduler import TieredScheduler
+
+    def sched(tiered=False):
+        cfg = EngineConfig(block_size=4, num_blocks=8, enable_prefix_caching=True)
+        if tiered:
+            return TieredScheduler(cfg, TieredBlockManager(8, 4, True))
+        return Scheduler(cfg, BlockManager(8, 4, True))
+
+    def running(sch):
+        s = Sequence(0, "a", list(range(6)), 6, SamplingParams())
+        sch.add(s)
+        sch.schedule()
+        return s
+
+    for tiered in (False, True):
+        sch = sched(tiered)
+        sch.block_manager.free_ids.append(sch.block_manager.free_ids[0])
+        assert kv_audit(sch) == ["device: a block is twice in the free lists"]
+    sch = sched()
+    s = running(sch)
+    sch.block_manager.blocks[s.block_table[0]].ref_count = 2
+    assert kv_audit(sch) == [f"device: block {s.block_table[0]} has ref_count 2, 1 tables"]
+    sch = sched()
+    b = sch.block_manager.free_ids.pop()
+    assert kv_audit(sch) == [f"device: block {b} is held by no one and free 0 times (lost)"]
+    sch = sched()
+    s = running(sch)
+    sch.block_manager.blocks[s.block_table[1]].hash = 12345
+    assert kv_audit(sch) == [f"device: block {s.block_table[1]}'s hash is not cached under it"]
+    sch = sched()
+    s = running(sch)
+    sch.running.remove(s)
+    assert kv_audit(sch) == [
+        "device: blocks held by [0] (not running)",
+        "device: an idle scheduler holds blocks",
+    ]
