@@ -1152,3 +1152,14 @@ def test_quantize_model_ties_heads_registered_before_their_table_and_skips_by_la
         quantize_model(nn.Linear(2, 2), None)
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(nn.Linear(2, 2), "int4")
+
+
+# Mutants of quant/ that `make mutation` leaves alive and no test can kill:
+# - int8_matmul: `dim=+1` for `dim=-1` on 2-D activations; `- 128` for `+ 128` before the cast to
+#   uint8 (equal mod 256); padding W8A8 at M = 17 (zero rows); an extra zero row beside
+#   fbgemm's pinned row; the axis of fbgemm's per-channel weight (its prepack keeps one scale per
+#   output row); arguments of the fbgemm and oneDNN calls that equal their defaults.
+# - quantize: the fp8 clamp (torch's cast to float8_e4m3fn saturates at +-448 on this build);
+#   `_expand` repeating a single scale along the row; `rsplit(".")` and `rsplit(".", 2)` for
+#   `rsplit(".", 1)` (the last part either way); `dtype=None` where the value is cast again.
+# - plugin: other row counts that give the same two tiles in `int8_matmul_specs`.
