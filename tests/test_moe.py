@@ -301,52 +301,72 @@ def test_method_choice_and_the_sm75_refusal():
 # --- the layer across ranks (moe.parallel) ---
 
 
-def _all_to_all_rank(rank, world, init):
+def _all_to_all_rank(rank, world, init, out):
     "One rank: the all-to-all MoE of its own tokens equals the whole layer and the replicated one."
     import torch.distributed as dist
     from hetero_infer.parallel.runner import init_group
 
     init_group(rank, world, init, "cpu", timeout=30)
     for family in ("qwen3_moe", "qwen2_moe"):  # without and with a shared expert
-        _all_to_all_check(rank, world, family)
+        torch.save(_all_to_all_check(rank, world, family), f"{out}/{family}-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _all_to_all_check(rank, world, family):
-    import torch
-    from hetero_infer.moe.layer import MoEBlock, MoEConfig, expert_shard
-    from hetero_infer.moe.parallel import moe_all_to_all
-    from hetero_infer.parallel.shards import COMM_BYTES, all_reduce
+_A2A_TOKENS = (5, 1)  # rank r's tokens: a different count per rank
 
-    torch.manual_seed(0)  # the same weights on every rank
+
+def _a2a_full(family):
+    "The same MoE block (8 experts, top 3, hidden 32) on every rank, and each rank's tokens."
     shared = 24 if family == "qwen2_moe" else 0
     cfg = MoEConfig(8, 3, 32, 16, shared_expert_intermediate_size=shared, family=family)
+    torch.manual_seed(0)
     full = MoEBlock(cfg, "grouped").requires_grad_(False)
     for p in full.parameters():
         p.normal_(0, 0.3)
+    xs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in _A2A_TOKENS]
+    return cfg, full, xs
+
+
+def _all_to_all_check(rank, world, family):
+    from hetero_infer.moe.parallel import moe_all_to_all
+    from hetero_infer.parallel.shards import COMM_BYTES, COMM_SECONDS, all_reduce
+
+    cfg, full, xs = _a2a_full(family)
     experts = expert_shard(8, world, rank)
     state = {k: (v[experts.start : experts.stop] if k.startswith("experts.") else v)
              for k, v in full.state_dict().items()}  # fmt: skip
     local = MoEBlock(cfg, "grouped", experts)
     local.load_state_dict(state)
     local.owns_shared = rank == 0
-    xs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in (5, 1)]
-    mine = xs[rank]  # different tokens, and a different count, per rank
+    mine = xs[rank]
+    sent, spent = COMM_BYTES.get("all_to_all", 0), COMM_SECONDS.get("all_to_all", 0.0)
     got = moe_all_to_all(local, mine)
     torch.testing.assert_close(got, full(mine), rtol=1e-5, atol=1e-5)
-    assert COMM_BYTES["all_to_all"] > 0
+    k = cfg.top_k
+    here = sum(int((full.route(x)[1] // 4 == rank).sum()) for x in xs)  # pairs for my experts
+    # out: rows (fp32), weights (fp32) and expert ids (int64) of my pairs; back: the results
+    assert COMM_BYTES["all_to_all"] - sent == len(mine) * k * (32 * 4 + 4 + 8) + here * 32 * 4
+    assert COMM_SECONDS["all_to_all"] > spent
     every = torch.cat(xs)  # the replicated form over everyone's tokens, for this rank's rows
     rep = all_reduce(local(every)).split([len(x) for x in xs])[rank]  # every rank reduces
     torch.testing.assert_close(got, rep, rtol=1e-5, atol=1e-5)
+    return got
 
 
-def test_all_to_all_dispatch_equals_the_replicated_form():
+def test_all_to_all_dispatch_equals_the_replicated_form(tmp_path):
+    "Two ranks exchange their pairs; each rank's output equals one process's all-to-all form."
     import torch.multiprocessing as mp
+    from hetero_infer.moe.parallel import moe_all_to_all
     from hetero_infer.parallel.runner import _free_port
 
     init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(_all_to_all_rank, args=(2, init), nprocs=2, join=True)
+    mp.spawn(_all_to_all_rank, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    for family in ("qwen3_moe", "qwen2_moe"):
+        _, full, xs = _a2a_full(family)
+        for rank, x in enumerate(xs):
+            got = torch.load(tmp_path / f"{family}-{rank}.pt")
+            torch.testing.assert_close(got, moe_all_to_all(full, x), rtol=1e-5, atol=1e-5)
 
 
 def _full_block(family="qwen2_moe", seed=0):
@@ -465,3 +485,30 @@ def test_fused_moe_specs_name_the_binaries_fused_moe_launches():
              warps, "hetero_infer.moe.kernels", "_fused_moe_kernel", pointers)
             for g in (True, False) for bm, bn, bk in tiles
         ]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("ep", [False, True])
+def test_each_rank_reads_its_part_of_a_checkpoint(family, ep, saved):
+    "A rank's block reads only its experts, cut to its features; the parts sum to the layer."
+    from types import SimpleNamespace
+    from hetero_infer.moe.parallel import shard_moe
+    from hetero_infer.parallel.shards import ShardPlan
+
+    model, tensors = saved[family]
+    cfg = MoEConfig.from_hf(model.config)
+    full = MoEBlock.from_checkpoint(tensors, moe_prefix(tensors, "model.layers.0.mlp."), cfg)
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(5))
+    parts = []
+    for rank in (0, 1):
+        plan = ShardPlan(rank, 2, range(0), range(0), range(0), range(0), 0)
+        block = shard_moe(full, None, plan, SimpleNamespace(enable_expert_parallel=ep))
+        state = block.read_checkpoint(tensors, "model.layers.0.mlp.")
+        E, I = len(block.held), len(block.features)
+        assert state["experts.gate_up_proj"].shape == (E, 2 * I, 64)
+        assert state["experts.down_proj"].shape == (E, 64, I)
+        block.load_state_dict(state)
+        with torch.no_grad():
+            parts.append(block(x))
+    with torch.no_grad():
+        torch.testing.assert_close(parts[0] + parts[1], full(x), rtol=1e-5, atol=1e-5)
