@@ -888,6 +888,8 @@ def test_kv_tier_counts_each_steps_copies_out_then_in(monkeypatch):
     from hetero_infer.kv_offload.tier import TransferStats
 
     tier, dev = _tier_and_caches()
+    for c in [c for kv in tier.swap.caches for c in kv]:  # host blocks start uninitialized
+        c.normal_()
     calls, copy = [], tier.copy
     tier.copy = lambda *a: calls.append((a[0] is dev, a[2], a[3], a[4])) or copy(*a)
     tier.apply(HostCopies(), dev)
