@@ -996,3 +996,65 @@ def test_kv_audit_names_each_corruption():
         "device: blocks held by [0] (not running)",
         "device: an idle scheduler holds blocks",
     ]
+
+
+def test_kv_audit_names_each_corruption_of_the_host_tiers():
+    "The swap pool, the host prefix tier and the copies between steps: each fault its own line."
+    from hetero_infer.kv_offload.block_manager import TieredBlockManager
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.prefix_tier import HostPrefixCache
+    from hetero_infer.kv_offload.scheduler import TieredScheduler
+    from hetero_infer.kv_offload.swap import SwapSpace
+
+    def sched():
+        cfg = EngineConfig(block_size=4, num_blocks=8, enable_prefix_caching=True)
+        bm = TieredBlockManager(8, 4, True, host=HostPrefixCache(HostBlockPool(4)))
+        return TieredScheduler(cfg, bm, SwapSpace(HostBlockPool(4), bm))
+
+    def audit(corrupt):
+        sch = sched()
+        assert kv_audit(sch) == []
+        corrupt(sch)
+        return kv_audit(sch)
+
+    lost, pending = "host blocks lost or held twice", "copies pinned or pending outside a step"
+    assert audit(lambda s: s.swap.pool.alloc(1)) == [f"swap: {lost}"]
+    assert audit(lambda s: s.swap.tables.update({7: []})) == [
+        "swap: host tables do not match the swapped queue"
+    ]
+    assert audit(lambda s: s.block_manager.host.pool.alloc(1)) == [f"prefix tier: {lost}"]
+    for name in ("offloads", "reloads"):
+        assert audit(lambda s: getattr(s.block_manager, name).append((0, 1))) == [
+            f"prefix tier: {pending}"
+        ]
+    assert audit(lambda s: s.block_manager.host.pins.update({0: 1})) == [f"prefix tier: {pending}"]
+    assert audit(lambda s: s.block_manager.reload_names.update({0: ()})) == [
+        f"prefix tier: {pending}"
+    ]
+    for name in ("swap_out", "swap_in", "swapped", "resumed"):
+        assert audit(lambda s: getattr(s.copies, name).append(0)) == [
+            "swap: copies pending outside a step"
+        ]
+
+
+def test_build_kv_tier_builds_the_pools_asked_for():
+    from hetero_infer.kv_offload.tier import build_kv_tier
+
+    dev = [tuple(torch.zeros(6, 2, 1, 4) for _ in range(2)) for _ in range(2)]  # 128 B a block
+    gib = 10 * 128 / 2**30
+    for mode, offload, swap_blocks, prefix_blocks in [
+        ("recompute", 0, None, None),
+        ("swap", 0, 10, None),
+        ("recompute", gib, None, 10),
+        ("swap", gib / 2, 10, 5),
+    ]:
+        tier = build_kv_tier(
+            EngineConfig(preemption_mode=mode, swap_space=gib, kv_offloading_size=offload), dev
+        )
+        assert (tier.swap and tier.swap.num_blocks) == swap_blocks, mode
+        assert (tier.prefix and tier.prefix.pool.num_blocks) == prefix_blocks
+
+
+# Equivalent mutants of kv_offload/tier.py: which layer's K or V cache names the device or says
+# CUDA (all are on one device), the block size read from V instead of K (the same shape), and
+# `lent.get(seq_id)` without its 0 (a slice from None starts at 0 too).
