@@ -1058,3 +1058,49 @@ def test_build_kv_tier_builds_the_pools_asked_for():
 # Equivalent mutants of kv_offload/tier.py: which layer's K or V cache names the device or says
 # CUDA (all are on one device), the block size read from V instead of K (the same shape), and
 # `lent.get(seq_id)` without its 0 (a slice from None starts at 0 too).
+
+
+def test_host_memory_gib_is_the_machines_memory():
+    from hetero_infer.kv_offload.plugin import host_memory_gib
+
+    meminfo = pathlib.Path("/proc/meminfo")
+    if not meminfo.exists():
+        pytest.skip("no /proc/meminfo to compare with")
+    total_kib = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text()).group(1))
+    assert host_memory_gib() == pytest.approx(total_kib / 2**20, rel=0.1)
+
+
+def test_each_failed_copy_is_counted_and_left_on_the_engine():
+    "Two failed steps of copies: two failures counted, the last error kept for the engine."
+    from types import SimpleNamespace
+    from hetero_infer.kv_offload.host_pool import HostBlockPool
+    from hetero_infer.kv_offload.scheduler import HostCopies
+    from hetero_infer.kv_offload.tier import KVTier
+
+    errors = [RuntimeError("first"), RuntimeError("second")]
+    tier = KVTier(HostBlockPool(2))
+    tier.apply = lambda copies, caches: (_ for _ in ()).throw(errors.pop(0))
+    failed = []
+    sch = SimpleNamespace(take_copies=HostCopies, copies_failed=lambda c, s: failed.append(s))
+    engine = SimpleNamespace(scheduler=sch, runner=SimpleNamespace(kv_caches=[]), last_error=None)
+    plugin = KVOffloadPlugin()
+    plugin.tier = tier
+    for step in ("a", "b"):
+        plugin.after_schedule(engine, step)
+    assert tier.stats.failures == 2 and str(engine.last_error) == "second" and failed == ["a", "b"]
+
+
+@pytest.mark.parametrize("swap, offload", [(True, False), (False, True)])
+def test_stats_of_a_tier_with_one_pool_show_zeros_for_the_other(tiny_path, swap, offload):
+    eng = engine(
+        tiny_path,
+        num_blocks=32,
+        enable_prefix_caching=True,
+        preemption_mode="swap" if swap else "recompute",
+        swap_space=32 * GIB_PER_BLOCK,
+        kv_offloading_size=16 * GIB_PER_BLOCK if offload else 0,
+    )
+    kv = eng.stats["kv_offload"]
+    assert kv["swap_blocks_free"] == (32 if swap else 0)
+    assert (kv["host_prefix_hits"], kv["host_prefix_blocks"]) == (0, 0)
+    assert ("host_hits" in kv) == offload and kv["transfer_steps"] == 0
