@@ -45,3 +45,15 @@ settings.load_profile(hypothesis_profile())
 
 def pytest_report_header(config):
     return f"hypothesis profile: {hypothesis_profile()} (CI=true selects 'ci', derandomized)"
+
+
+import torch  # noqa: E402 (after the interpreter switch above)
+
+
+class SaysCuda(torch.Tensor):
+    """A CPU tensor that reports itself on CUDA (`x.as_subclass(SaysCuda)`): it takes the CUDA
+    branch of a dispatch on a CPU, with the GPU calls it reaches replaced by the test."""
+
+    @property
+    def is_cuda(self):
+        return True

@@ -12,6 +12,7 @@ import re
 import textwrap
 import pytest
 import torch
+from conftest import SaysCuda
 import hetero_infer.quant.kernels as quant_kernels
 from hetero_infer.attention.triton.decode import triton_paged_decode_attention, triton_write_kv
 from hetero_infer.attention.triton.prefill import triton_paged_prefill_attention
@@ -161,14 +162,6 @@ def test_int8_gemm_launches_what_the_check_compiles(monkeypatch, M):
     assert any({n: calls[0][1][n] for n in s.constexprs} == s.constexprs for s in specs), calls
 
 
-class _SaysCuda(torch.Tensor):
-    "A CPU tensor that reports itself on CUDA."
-
-    @property
-    def is_cuda(self):
-        return True
-
-
 @pytest.mark.parametrize("pairs", [4, 40])  # decode-sized: 16-row tiles; beyond 16 per expert
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_fused_moe_launches_what_the_check_compiles(monkeypatch, pairs, dtype):
@@ -196,7 +189,7 @@ def test_fused_moe_refuses_gpus_before_sm80(monkeypatch):
 
     calls = []
     monkeypatch.setattr(moe_kernels, "_fused_moe_kernel", _Recorder("_fused_moe_kernel", calls))
-    x = torch.zeros(2, 64).as_subclass(_SaysCuda)
+    x = torch.zeros(2, 64).as_subclass(SaysCuda)
     args = (
         torch.zeros(2, 64, 64),
         torch.zeros(2, 64, 32),

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from conftest import SaysCuda
 
 import hetero_infer
 
@@ -861,14 +862,6 @@ def test_tiered_scheduler_drops_the_host_copies_of_a_failed_offload():
         assert bm.host.pool.num_free() == (4 if failed else 2)
 
 
-class _SaysCuda(torch.Tensor):
-    "A CPU tensor that reports itself on CUDA."
-
-    @property
-    def is_cuda(self):
-        return True
-
-
 def _tier_and_caches(cuda=False):
     from hetero_infer.kv_offload.host_pool import HostBlockPool
     from hetero_infer.kv_offload.prefix_tier import HostPrefixCache
@@ -876,7 +869,7 @@ def _tier_and_caches(cuda=False):
 
     dev = [tuple(torch.randn(6, 2, 1, 4) for _ in range(2)) for _ in range(2)]
     if cuda:
-        dev = [tuple(c.as_subclass(_SaysCuda) for c in kv) for kv in dev]
+        dev = [tuple(c.as_subclass(SaysCuda) for c in kv) for kv in dev]
     tier = KVTier(HostBlockPool(4).attach(dev), HostPrefixCache(HostBlockPool(6).attach(dev)))
     return tier, dev
 

@@ -6,6 +6,7 @@ import copy
 import re
 import pytest
 import torch
+from conftest import SaysCuda
 import torch.nn as nn
 from hetero_infer.quant.int8_matmul import quantize_activations
 from hetero_infer.quant.quantize import (
@@ -957,14 +958,6 @@ def test_int8_matmul_specs_name_the_binaries_the_gemm_launches():
         ]
 
 
-class _SaysCuda(torch.Tensor):
-    "A CPU tensor that reports itself on CUDA: what the int8 paths hand a GPU, checked on a CPU."
-
-    @property
-    def is_cuda(self):
-        return True
-
-
 def test_int8_paths_hand_a_gpu_what_its_kernels_need(monkeypatch):
     """On CUDA, weight-only int8 goes to the Triton kernel with its three tensors, and W8A8 pads
     the rows to 17 for `torch._int_mm` (it needs more than 16 there) and returns M rows."""
@@ -974,7 +967,7 @@ def test_int8_paths_hand_a_gpu_what_its_kernels_need(monkeypatch):
     monkeypatch.setattr(quant_kernels, "triton_int8_matmul", lambda *a: calls.append(a) or a[0])
     q, s = quantize_int8(torch.randn(24, 32))
     s = s[:, 0]
-    x = torch.randn(3, 32).as_subclass(_SaysCuda)
+    x = torch.randn(3, 32).as_subclass(SaysCuda)
     assert int8_weight_matmul(x, q, s) is x and calls == [(x, q, s)]
     int_mm = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows.append(a.shape[0]) or int_mm(a, b))
@@ -982,7 +975,7 @@ def test_int8_paths_hand_a_gpu_what_its_kernels_need(monkeypatch):
         xm = torch.randn(M, 32)
         want = w8a8_matmul(xm, q, s)
         rows.clear()
-        got = w8a8_matmul(xm.as_subclass(_SaysCuda) if cuda else xm, q, s)
+        got = w8a8_matmul(xm.as_subclass(SaysCuda) if cuda else xm, q, s)
         assert rows == [padded] and got.shape == (M, 24)
         assert torch.equal(got.as_subclass(torch.Tensor), want)
 
