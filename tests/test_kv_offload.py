@@ -1097,3 +1097,101 @@ def test_stats_of_a_tier_with_one_pool_show_zeros_for_the_other(tiny_path, swap,
     assert kv["swap_blocks_free"] == (32 if swap else 0)
     assert (kv["host_prefix_hits"], kv["host_prefix_blocks"]) == (0, 0)
     assert ("host_hits" in kv) == offload and kv["transfer_steps"] == 0
+
+
+# ---- the chapter's measurements (kv_offload.bench), with a scripted clock
+
+
+class ScriptedClock:
+    """A stand-in for the `time` module of `kv_offload.bench`: `perf_counter` reads these in turn,
+    and records what `probe()` says of the engine at each reading."""
+
+    def __init__(self, *readings, probe=lambda: None):
+        self.readings, self.probe, self.seen = iter(readings), probe, []
+
+    def perf_counter(self):
+        self.seen.append(self.probe())
+        return next(self.readings)
+
+
+def test_time_to_resume_times_each_preemption_and_reports_median_and_spread(tiny_path, monkeypatch):
+    from hetero_infer.kv_offload import bench
+
+    eng = engine(tiny_path, num_blocks=64, preemption_mode="swap", swap_space=64 * GIB_PER_BLOCK)
+    victims = preempted_requests(eng)
+    # per repeat: before the preemption, after it, back at the next token
+    sch = eng.scheduler
+    clock = ScriptedClock(
+        *(0, 1, 6, 10, 12, 14, 20, 23, 32),
+        probe=lambda: (len(sch.running), len(sch.swapped), len(sch.copies.swap_out)),
+    )
+    monkeypatch.setattr(bench, "time", clock)
+    r = bench.time_to_resume(eng, 40, repeats=3)
+    assert r == dict(context_len=40, resume_s=5, resume_spread_s=7, preempt_s=2)
+    # (running, swapped, copies pending): the preemption's time includes its copy out, the
+    # resume's ends running again
+    assert clock.seen == [(1, 0, 0), (0, 1, 0), (1, 0, 0)] * 3
+    assert victims == {"ttr-40-0", "ttr-40-1", "ttr-40-2"}
+    kv = eng.stats["kv_offload"]
+    assert (kv["swapped_out"], kv["swapped_in"], kv["recompute_fallbacks"]) == (3, 3, 0)
+    assert kv["transfer_blocks_out"] == 3 * 10  # the 40 tokens' blocks, each copied out
+    assert not eng.has_unfinished_requests() and kv_audit(eng.scheduler) == []
+    # swap resumes each without a second prefill; recompute prefills each again
+    assert eng.scheduler.stats.prefill_tokens == 3 * 40
+    rec = engine(tiny_path, num_blocks=64, enable_prefix_caching=False)
+    monkeypatch.setattr(bench, "time", ScriptedClock(0, 0, 0))
+    bench.time_to_resume(rec, 40, repeats=1)
+    assert rec.scheduler.stats.prefill_tokens == 40 + 41
+    # each repeat is a prompt of its own, of the asked length, in the model's vocabulary
+    ids = [bench._ids(40, 128, r) for r in range(3)]
+    assert len(set(map(tuple, ids))) == 3 and all(len(i) == 40 for i in ids)
+    assert all(0 <= t < 128 for i in ids for t in i) and bench._ids(40, 128, 1) == ids[1]
+
+
+def multi_turn_with_stats(monkeypatch, eng, **kw):
+    """`multi_turn` with a scripted clock (round 1 from 0 to 100 s, round 2 from 200 to 204 s), and
+    the engine's counts just before round 2 (prefix blocks looked up, device and host hits, and
+    prefill tokens), read from the engine itself."""
+    from hetero_infer.kv_offload import bench
+
+    monkeypatch.setattr(bench, "time", ScriptedClock(0, 100, 200, 204))
+    seen, play = [], bench._round
+
+    def round_(engine, tag, prompts, p):
+        seen.append((tag, engine.stats, engine.scheduler.stats.prefill_tokens))
+        return play(engine, tag, prompts, p)
+
+    monkeypatch.setattr(bench, "_round", round_)
+    m = bench.multi_turn(eng, **kw)
+    assert [s[0] for s in seen] == ["a", "b"]
+    return m, seen[1][1:]
+
+
+def test_multi_turn_reports_round_two_from_the_engines_own_counts(tiny_path, monkeypatch):
+    kw = dict(conversations=3, system_len=24, question_len=6, answer_len=8)
+    plain, _ = multi_turn_with_stats(
+        monkeypatch, engine(tiny_path, num_blocks=64, enable_prefix_caching=False), **kw
+    )
+    assert (plain["device_hit_rate"], plain["host_hit_rate"]) == (0, 0)
+    assert plain["prefill_tokens"] == 3 * (24 + 6 + 8 + 6)  # round 2 prefills every token
+    # the host tier: the device pool (14 blocks) holds one conversation, the host all three
+    eng = engine(
+        tiny_path,
+        num_blocks=14,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        kv_offloading_size=64 * GIB_PER_BLOCK,
+    )
+    m, (before, prefill_before) = multi_turn_with_stats(monkeypatch, eng, **kw)
+    after, pc0, pc1 = eng.stats, before["prefix_cache"], eng.stats["prefix_cache"]
+    queries = pc1["cache_queries"] - pc0["cache_queries"]
+    host = after["kv_offload"]["host_prefix_hits"] - before["kv_offload"]["host_prefix_hits"]
+    assert queries > 0 and host > 0
+    assert m["device_hit_rate"] == (pc1["cache_hits"] - pc0["cache_hits"]) / queries
+    assert m["host_hit_rate"] == host / queries
+    assert m["prefill_tokens"] == eng.scheduler.stats.prefill_tokens - prefill_before
+    assert 0 < m["prefill_tokens"] < plain["prefill_tokens"]
+    # the same greedy answers; 3 x 8 tokens in the 4 scripted seconds of round 2
+    assert m["tokens"] == plain["tokens"] and [len(t) for t in m["tokens"]] == [8, 8, 8]
+    assert (m["seconds"], m["tokens_per_s"]) == (4, 24 / 4) == (plain["seconds"], 6)
+    assert 0 < m["mean_ttft_s"] < 10  # the engine's own clock: real seconds

@@ -5,12 +5,15 @@ prefix caching and preemption; mixture-of-experts models with TP over experts an
 parallelism; the server answers with 2 ranks and leaves no process behind; a worker that dies
 ends the engine with an error naming it, within the timeout."""
 
+import copy
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import pytest
+import torch
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM, EngineStepError
 from hetero_infer.engine.plugins import EngineDeadError
@@ -371,3 +374,199 @@ def test_code_from_stdin_is_refused_at_once():
         and "tensor_parallel_size: worker processes re-import the main script" in r.stderr
     )
     assert time.monotonic() - t < 60
+
+
+# ---- two ranks as two threads of this process
+
+
+class ThreadGroup:
+    """The calls to torch.distributed the tensor-parallel code makes, for ranks that are threads of
+    this process: each collective meets at a barrier and combines what every rank put in.
+
+    The spawned-process tests above run the same code, but only in child processes; this runs it
+    in the test's own process, where a debugger, coverage and mutation testing can see it."""
+
+    class ReduceOp:
+        SUM, MIN = "sum", "min"
+
+    def __init__(self, world: int, timeout: float = 60.0):
+        self.world, self.local = world, threading.local()
+        self.meet = threading.Barrier(world, timeout=timeout)
+        self.slots: list = [None] * world
+        self.calls: list = []  # (rank, collective)
+
+    def init_process_group(self, backend, *, init_method, rank, world_size, timeout):
+        assert (backend, world_size) == ("gloo", self.world)
+        self.local.rank = rank
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return getattr(self.local, "rank", None) is not None
+
+    def get_world_size(self):
+        return self.world
+
+    def destroy_process_group(self):
+        self.local.rank = None
+
+    def _exchange(self, what: str, x) -> list:
+        "Every rank's `x`, in rank order."
+        self.calls.append((self.local.rank, what))
+        self.slots[self.local.rank] = x
+        self.meet.wait()
+        got = list(self.slots)
+        self.meet.wait()  # every rank has read before any writes again
+        return got
+
+    def all_reduce(self, x, op="sum"):
+        parts = self._exchange("all_reduce", x.clone())
+        x.copy_(torch.stack(parts).sum(0) if op == "sum" else torch.stack(parts).amin(0))
+
+    def all_gather(self, parts, x):
+        for p, got in zip(parts, self._exchange("all_gather", x.clone())):
+            p.copy_(got)
+
+    def broadcast_object_list(self, box, src=0):
+        box[0] = copy.deepcopy(self._exchange("broadcast", box[0])[src])  # as if pickled
+
+    def barrier(self):
+        self._exchange("barrier", None)
+
+
+class RankThread(threading.Thread):
+    """A worker rank as a thread, with the parts of `multiprocessing.Process` the runner uses. A
+    rank that raises leaves the group broken, as a dead process breaks gloo's connections."""
+
+    group: ThreadGroup
+
+    def __init__(self, target, args, daemon, name):
+        super().__init__(target=self._main, args=(target, args), daemon=daemon, name=name)
+        self.exitcode, self.error = None, None
+
+    def _main(self, target, args):
+        try:
+            target(*args)
+            self.exitcode = 0
+        except BaseException as e:
+            self.exitcode, self.error = 1, e
+            self.group.meet.abort()
+
+    def kill(self):
+        raise AssertionError(f"{self.name} had to be killed")
+
+
+@pytest.fixture
+def threaded_ranks(monkeypatch):
+    """`install(world)`: tensor-parallel ranks 1.. start as threads, and every collective is a
+    `ThreadGroup`'s. Returns the group and {rank: its runner}, filled as the ranks load."""
+    from types import SimpleNamespace
+    from hetero_infer.parallel import runner, shards
+
+    runners, load = {}, runner.rank_runner
+
+    def rank_runner(config, rank, world):
+        runners[rank] = load(config, rank, world)
+        return runners[rank]
+
+    def install(world: int):
+        group = ThreadGroup(world)
+        for mod in (runner, shards):
+            monkeypatch.setattr(mod, "dist", group)
+        monkeypatch.setattr(RankThread, "group", group, raising=False)
+        return group, runners
+
+    monkeypatch.setattr(runner, "rank_runner", rank_runner)
+    monkeypatch.setattr(runner, "_worker_context", lambda: SimpleNamespace(Process=RankThread))
+    for k in shards.COMM_BYTES:
+        monkeypatch.setitem(shards.COMM_BYTES, k, 0)
+    threads = torch.get_num_threads()
+    yield install
+    torch.set_num_threads(threads)
+
+
+THREADED = {  # family, ranks, config: each a different part of the split
+    "padded-vocab-biases": ("llama", 2, dict(vocab_size=257, attention_bias=True, mlp_bias=True)),
+    "one-kv-head-tied": ("qwen2", 2, dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "kv-heads-shared-by-4": ("mistral", 4, dict(num_key_value_heads=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(THREADED))
+def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path, threaded_ranks):
+    """Every rank runs in this process, so every line of the split runs here. Greedy tokens equal
+    one process's; the prompts hold the ids at each rank's edge of the vocabulary; every step's
+    logits are cut to the vocabulary; the bytes counted per collective are those each step
+    passes; the workers leave their loops at close."""
+    from hetero_infer.parallel import shards
+
+    family, world, shape = THREADED[case]
+    hf = tiny_hf_checkpoint(
+        tmp_path, family, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, **shape,
+    )  # fmt: skip
+    c = hf.config
+    per_rank = -(-c.vocab_size // world)
+    edges = [0, per_rank - 1, per_rank, c.vocab_size - 1, per_rank + 1, 5]
+    ps = [edges] + prompts((17,), vocab=c.vocab_size)
+    want = _run(tmp_path, ps)
+    group, _ = threaded_ranks(world)
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=world)
+    try:
+        eng = llm.engine
+        workers = eng.runner.workers
+        assert [w.name for w in workers] == [f"hetero-infer-tp{r}" for r in range(1, world)]
+        assert all(w.is_alive() for w in workers)
+        assert eng.stats["tensor_parallel"] == {"world_size": world}
+        assert repr(eng.runner).startswith(f"TensorParallelRunner(rank 0 of {world}: ")
+        widths, execute = [], eng.runner.execute
+
+        def recorded(sched):
+            out = execute(sched)
+            widths.append(out.shape[-1])
+            return out
+
+        eng.runner.execute = recorded
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    finally:
+        llm.close()
+    assert got == want
+    assert all(not w.is_alive() and w.exitcode == 0 for w in workers)
+    assert set(widths) == {c.vocab_size}
+    assert ("barrier" in {what for _, what in group.calls}) and group.local.rank is None
+    # per rank and token: the embedding, and each layer's o_proj and down_proj, sum hidden floats;
+    # per logits row: the rank's part of the padded vocabulary is gathered
+    tokens = sum(len(p) for p in ps) + len(ps) * (N_NEW - 1)
+    layers = 1 + 2 * c.num_hidden_layers
+    assert shards.COMM_BYTES["all_reduce"] == world * layers * tokens * c.hidden_size * 4
+    assert shards.COMM_BYTES["all_gather"] == world * len(ps) * N_NEW * per_rank * 4
+
+
+def test_a_failing_worker_thread_ends_the_engine_naming_its_rank(tmp_path, threaded_ranks):
+    "Rank 1's forward raises mid-run: the step that waits for it ends every request with the error."
+    from hetero_infer.testing import fail_forward
+
+    _model(tmp_path, "llama")
+    group, runners = threaded_ranks(2)
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
+    try:
+        eng = llm.engine
+        fail_forward(runners[1].model, {5}, RuntimeError("rank 1 broke"))
+        for i, p in enumerate(prompts((5, 9, 7))):
+            eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50))
+        outs = []
+        with pytest.raises(EngineDeadError, match="worker rank 1 exited") as dead:
+            while eng.has_unfinished_requests():
+                outs += eng.step()
+        (worker,) = eng.runner.workers
+        assert worker.exitcode == 1 and str(worker.error) == "rank 1 broke"
+        assert eng.stats["tensor_parallel"]["fatal"] == eng.runner.broken
+        finals = [o for o in outs + dead.value.outputs if o.finished]
+        assert sorted(o.request_id for o in finals) == ["r0", "r1", "r2"]
+        assert all("worker rank 1 exited (exit code 1)" in o.error for o in finals)
+        with pytest.raises(EngineStepError, match="worker rank 1 exited"):
+            llm.generate(prompts((5,)), GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    assert eng.runner.closed and eng.runner.workers == []

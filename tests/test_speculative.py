@@ -11,7 +11,7 @@ from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from hetero_infer.sample.sampler import Sampler, sampling_probs
-from hetero_infer.core.sequence import Sequence
+from hetero_infer.core.sequence import Sequence, SequenceStatus
 from hetero_infer.spec_decode.proposers import ngram_propose, truncated_draft
 from hetero_infer.spec_decode.speculator import Speculator, speculative_metrics
 from hetero_infer.engine.plugins import PLUGINS
@@ -563,6 +563,7 @@ def test_the_metrics_lines():
         "spec_decode_mean_accepted_length": sp["mean_accepted_length"],
     }
     assert sp["num_drafts"] > 0
+    assert (sp["method"], sp["num_speculative_tokens"]) == ("ngram", 4)
 
 
 def test_the_flags_of_generate_and_bench(capsys):
@@ -589,3 +590,327 @@ def test_the_flags_of_generate_and_bench(capsys):
     assert "speculative: acceptance_rate" in out
     assert bench_main(["offline", "--speculative-method", "ngram", "--prompt-lookup-min", "0"]) == 2
     assert "--prompt-lookup-min: prompt_lookup_min" in capsys.readouterr().err
+
+
+# ---- the pieces of verification, one by one (fast: no model)
+
+from hetero_infer.spec_decode import speculator as spec  # noqa: E402
+from hetero_infer.spec_decode.speculator import (  # noqa: E402
+    AcceptanceStats,
+    accept_sampled,
+    emitted_logprobs,
+    row_states,
+    verify_proposals,
+)
+
+
+def test_acceptance_stats_count_each_position():
+    a = AcceptanceStats(3)
+    for proposed, accepted in [(3, 2), (2, 0), (3, 3)]:
+        a.record(proposed, accepted)
+    d = a.as_dict("ngram")
+    assert d == dict(
+        method="ngram",
+        num_speculative_tokens=3,
+        num_drafts=3,
+        num_draft_tokens=8,
+        num_accepted_tokens=5,
+        acceptance_rate=5 / 8,
+        mean_accepted_length=(5 + 3) / 3,  # tokens emitted per verification
+        accepted_per_position=[2, 2, 1],
+    )
+    assert d["accepted_per_position"] is not a.accepted_at  # a copy: the caller may keep it
+    one = AcceptanceStats(1)
+    one.record(1, 1)
+    assert (one.as_dict("x")["acceptance_rate"], one.as_dict("x")["mean_accepted_length"]) == (1, 2)
+    assert AcceptanceStats(2).as_dict("draft") == dict(
+        method="draft",
+        num_speculative_tokens=2,
+        num_drafts=0,
+        num_draft_tokens=0,
+        num_accepted_tokens=0,
+        acceptance_rate=0,
+        mean_accepted_length=0,
+        accepted_per_position=[0, 0],
+    )
+
+
+def seeded_rows(seed: int):
+    "A `gen_of` for accept_sampled: row j's own seeded generator; and the rows it was asked for."
+    asked = []
+
+    def gen_of(j):
+        asked.append(j)
+        return torch.Generator().manual_seed(1000 * seed + j)
+
+    return gen_of, asked
+
+
+def test_accept_sampled_keeps_rejects_and_replaces_by_the_rule():
+    e = torch.eye(5)
+    # every proposal has all the target's mass: all kept, one more drawn from the last row
+    gen_of, asked = seeded_rows(0)
+    assert accept_sampled(e[[1, 2, 4]], None, [1, 2], gen_of) == [1, 2, 4] and asked == [0, 1, 2]
+    # the first kept, the second has no target mass: rejected, replaced from its row without it
+    p = torch.stack([e[1], torch.tensor([0.6, 0.4, 0.0, 0.0, 0.0]), e[4]])
+    seen = set()
+    for seed in range(20):
+        gen_of, asked = seeded_rows(seed)
+        out = accept_sampled(p, None, [1, 2], gen_of)
+        assert out[0] == 1 and len(out) == 2 and asked == [0, 1], out
+        seen.add(out[1])
+    assert seen == {0, 1}
+    # a draft distribution q: rejected where q over-proposes; the leftover max(0, p - q) is empty
+    # here (q >= p everywhere), so the replacement comes from p itself, never the rejected token
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]])
+    q = torch.tensor([[0.2, 0.5, 0.5, 0.0, 0.0]])
+    for seed in range(20):
+        gen_of, _ = seeded_rows(seed)
+        assert accept_sampled(p, q, [0], gen_of)[0] in (1, 2)
+
+
+def test_accept_sampled_emits_the_targets_distribution_from_its_own_generators():
+    """Proposals drawn from q, kept with probability min(1, p/q), else replaced from max(0, p - q):
+    the first token emitted follows p (chi-square over 4000 seeds). Each row's draws come from
+    its own generator: the global random state does not change a single token."""
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25] * 4])
+    q = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    counts, outs = torch.zeros(4), []
+    for seed in range(4000):
+        d = int(torch.multinomial(q[0], 1, generator=torch.Generator().manual_seed(-seed - 1)))
+        torch.manual_seed(seed % 7)
+        out = accept_sampled(p, q, [d], seeded_rows(seed)[0])
+        counts[out[0]] += 1
+        outs.append(out)
+    want = p[0] * 4000
+    stat = float(((counts - want) ** 2 / want).sum())
+    assert chi2_sf(stat, 3) > 1e-3, (counts, want)
+    assert 0.2 < sum(len(o) == 2 for o in outs) / 4000 < 0.9  # both paths taken
+    torch.manual_seed(12345)
+    again = []
+    for seed in range(200):
+        d = int(torch.multinomial(q[0], 1, generator=torch.Generator().manual_seed(-seed - 1)))
+        again.append(accept_sampled(p, q, [d], seeded_rows(seed)[0]))
+    assert again == outs[:200]
+
+
+def test_row_states_give_each_row_its_own_prefix_only_when_it_matters():
+    toks = [5, 6, 7, 8, 9, 10]
+    plain = Sequence(0, "r", toks, 2, SamplingParams())
+    assert row_states(plain, 3) == [plain] * 4
+    for p in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=6)):
+        s = Sequence(0, "r", toks, 2, p)
+        views = row_states(s, 3)
+        assert [v.token_ids for v in views] == [toks[:3], toks[:4], toks[:5], toks]
+        assert all(v is not s and v.params is p for v in views)
+
+
+def test_verify_proposals_draws_each_row_from_the_seed_of_its_output_position(monkeypatch):
+    """A seeded request's acceptance test at row j uses the generator of output position
+    n0 + j, n0 the outputs before the proposals: each position its own seed, in every step."""
+    asked, make = [], spec.row_generator
+
+    def row_generator(sampler, s, num_output, device, salt):
+        asked.append((s.seq_id, num_output, salt))
+        return make(sampler, s, num_output, device, salt)
+
+    monkeypatch.setattr(spec, "row_generator", row_generator)
+    V = 6
+    logits = torch.zeros(3 + 2, V)
+    logits[0, 4] = logits[1, 5] = 20.0  # the target all but certain of a's proposals 4, 5
+    sp = SamplingParams(temperature=1.0, seed=3)
+    a = Sequence(0, "a", [1, 2, 3, 4, 5], 2, sp)  # 3 outputs, the last 2 of them proposals
+    b = Sequence(1, "b", [1, 2, 3], 1, SamplingParams(temperature=0))  # greedy: no draws
+    out = verify_proposals(Sampler(), logits, [a, b], [None, None], [2, 1])
+    assert out[0][:2] == [4, 5] and len(out[0]) == 3  # both kept, one more drawn
+    assert asked == [(0, 1 + j, spec.ACCEPT_SALT) for j in range(3)]
+    assert out[1] == [0]  # greedy: the argmax (the first of equals), proposal 3 rejected
+
+
+def test_emitted_logprobs_reads_each_token_from_the_row_that_chose_it():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3 + 2, 7, generator=g)  # a: 2 proposals (3 rows), b: 1 (2 rows)
+    a = Sequence(0, "a", [1, 2, 3, 4], 1, SamplingParams())  # no logprobs asked
+    b = Sequence(1, "b", [1, 2, 3], 1, SamplingParams(logprobs=2))
+    toks = [[4, 6], [2, 5]]  # a: one accepted, then one more; b: all (1) accepted, one more
+    lsm = logits.log_softmax(-1)
+    want = [[lsm[0, 4], lsm[1, 6]], [lsm[3, 2], lsm[4, 5]]]
+    everyone = emitted_logprobs(logits, [a, b], toks, [2, 1])
+    for (t, lps, tops), tt, w in zip(everyone, toks, want):
+        assert t == tt and lps == pytest.approx([float(x) for x in w], abs=1e-5)
+    assert everyone[0][2] == [None, None]
+    assert len(everyone[1][2]) == 2 and all(len(d) >= 2 for d in everyone[1][2])
+    only = emitted_logprobs(logits, [a, b], toks, [2, 1], only_top=True)
+    assert only[0][1] == [None, None] and only[1][1] == pytest.approx(everyone[1][1])
+
+
+# ---- the proposers' pieces
+
+from hetero_infer.spec_decode import proposers  # noqa: E402
+from hetero_infer.spec_decode.proposers import NgramIndex, NgramProposer  # noqa: E402
+
+
+def test_the_ngram_index_answers_as_the_scan_token_by_token():
+    "Over random sequences with repeats, fed a token at a time: the same proposals as the scan."
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        n_min, n_max = 1 + trial % 2, 2 + trial % 3
+        toks = torch.randint(0, 4, (40,), generator=g).tolist()
+        ix = NgramIndex(n_min, n_max)
+        for L in range(1, len(toks) + 1):
+            k = 1 + L % 4
+            want = ngram_propose(toks[:L], k, n_min, n_max)
+            assert ix.propose(toks[:L], k) == want, (trial, L)
+
+
+def test_the_ngram_proposer_keeps_one_index_per_live_sequence():
+    from types import SimpleNamespace
+
+    prop = NgramProposer(SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=2))
+    a = Sequence(1, "a", [1, 2, 3, 1, 2], 2)
+    b = Sequence(2, "b", [7, 8, 7], 1)
+    toks, qs = prop.propose([a, b], [2, 0])
+    assert toks == [[3, 1], []] and qs == [None, None] and set(prop.index) == {1}
+    assert (prop.index[1].n_min, prop.index[1].n_max) == (1, 2)
+    toks, _ = prop.propose([a, b], [1, 3])
+    assert toks == [[3], [8, 7]] and set(prop.index) == {1, 2}
+    prop.drop({2})
+    assert set(prop.index) == {2}
+    prop.forget(2)
+    prop.forget(2)  # twice: nothing to forget
+    assert prop.index == {}
+
+
+def test_seq_view_and_the_state_a_row_needs():
+    p = SamplingParams(temperature=1.0, seed=5)
+    s = Sequence(3, "r", [1, 2, 3, 4, 5], 2, p, index=1, arrival_time=7.0, priority=-2)
+    s.status = SequenceStatus.RUNNING
+    v = proposers.seq_view(s, 4)
+    got = (v.seq_id, v.request_id, v.token_ids, v.num_prompt_tokens, v.params, v.index)
+    assert got == (3, "r", [1, 2, 3, 4], 2, p, 1)
+    assert (v.arrival_time, v.priority, v.status) == (7.0, -2, SequenceStatus.RUNNING)
+    v.token_ids.append(9)
+    assert s.token_ids == [1, 2, 3, 4, 5]  # a copy
+    state = proposers.needs_own_state
+    assert not state(s) and not state(s, 2)
+    for kw in (
+        dict(presence_penalty=0.1),
+        dict(frequency_penalty=-0.1),
+        dict(repetition_penalty=1.2),
+        dict(min_tokens=4),  # 3 outputs so far: below min_tokens
+    ):
+        assert state(Sequence(0, "r", [1, 2, 3, 4, 5], 2, SamplingParams(**kw))), kw
+    # min_tokens counts the outputs before the last k (the proposals) only
+    m = Sequence(0, "r", [1, 2, 3, 4, 5], 2, SamplingParams(min_tokens=2))
+    assert not state(m) and not state(m, 1) and state(m, 2)
+
+
+def test_row_generators_are_seeded_per_position_or_shared():
+    sampler = Sampler(seed=11)
+    seeded = Sequence(0, "r", [1, 2], 1, SamplingParams(temperature=1.0, seed=4), index=1)
+    gens = [proposers.row_generator(sampler, seeded, n, "cpu", 99) for n in (3, 3, 4)]
+    draws = [float(torch.rand((), generator=gen)) for gen in gens]
+    assert draws[0] == draws[1] != draws[2]
+    other_salt = proposers.row_generator(sampler, seeded, 3, "cpu", 98)
+    assert float(torch.rand((), generator=other_salt)) != draws[0]
+    plain = Sequence(1, "r", [1, 2], 1, SamplingParams(temperature=1.0))
+    assert proposers.row_generator(sampler, plain, 3, "cpu", 99) is sampler.generator("cpu")
+
+
+def test_draw_and_request_probs():
+    g = torch.Generator().manual_seed(0)
+    assert {proposers.draw(torch.tensor([0.0, 0.0, 3.0, 0.0]), g) for _ in range(20)} == {2}
+    counts = torch.bincount(
+        torch.tensor([proposers.draw(torch.tensor([1.0, 3.0]), g) for _ in range(2000)])
+    )
+    assert 0.2 < float(counts[0]) / 2000 < 0.3  # unnormalised: 1 in 4
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 5.0]])
+    p = proposers.request_probs(x, SamplingParams(temperature=0.5, top_k=2))
+    want = torch.zeros(4)
+    want[:2] = torch.softmax(torch.tensor([2.0, 1.0]) / 0.5, -1)
+    torch.testing.assert_close(p[0], want)
+    assert int((p[1] > 0).sum()) == 2 and float(p[1, 3]) > 0.99  # top-2 of three ties and a 5
+    full = proposers.request_probs(x, SamplingParams(temperature=1.0, top_k=0))  # all V
+    torch.testing.assert_close(full, torch.softmax(x, -1))
+    nucleus = proposers.request_probs(x[:1], SamplingParams(temperature=1.0, top_p=0.5))
+    assert nucleus[0].tolist() == pytest.approx([1.0, 0, 0, 0], abs=1e-6)
+    floor = proposers.request_probs(x[:1], SamplingParams(temperature=1.0, min_p=0.3))
+    assert int((floor[0] > 0).sum()) == 2  # e^-1 = 0.37 of the top kept, e^-2 = 0.14 not
+
+
+def test_truncated_draft_keeps_the_bottom_layers_and_refuses_a_bad_count(tmp_path):
+    import json
+    from safetensors import safe_open
+
+    src = tmp_path / "t"
+    tiny_hf_checkpoint(src, "qwen3", bos_token_id=None, eos_token_id=None)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention"] * 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    (src / "tokenizer.json").write_text("{}")
+    out = proposers.truncated_draft(src, tmp_path / "d", 1)
+    d = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (d["num_hidden_layers"], d["layer_types"]) == (1, ["full_attention"])
+    assert (tmp_path / "d" / "tokenizer.json").read_text() == "{}"
+    with safe_open(f"{out}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=r"num_layers must be in \[1, 2\], got " + str(bad)):
+            proposers.truncated_draft(src, tmp_path / "e", bad)
+
+
+def test_proposals_ride_on_the_tokens_and_leave_by_the_rule():
+    from hetero_infer.scheduler.output import ScheduledSeq, SchedulerOutput
+    from hetero_infer.spec_decode.speculator import Proposals
+
+    a = Sequence(0, "a", [1, 2, 3], 2)
+    b = Sequence(1, "b", [4, 5], 1)
+    c = Sequence(2, "c", [6, 7], 1)
+    q = torch.arange(12.0).view(3, 4)
+    props = Proposals()
+    props.add(a, [8, 9, 10], q)
+    props.add(b, [11, 12], None)
+    props.add(c, [], None)  # nothing proposed: not carried
+    assert a.token_ids == [1, 2, 3, 8, 9, 10] and b.token_ids == [4, 5, 11, 12]
+    assert (props.num, set(props.seqs)) == ({0: 3, 1: 2}, {0, 1})
+    # the step runs a whole (a row per proposal and one more), b cut to 2 of its 3 tokens
+    step = SchedulerOutput(scheduled=[ScheduledSeq(a, 4, [0] * 4), ScheduledSeq(b, 2, [0] * 2)])
+    props.fit(step)
+    assert [it.num_logits for it in step.scheduled] == [4, 2]
+    assert b.token_ids == [4, 5, 11] and props.num[1] == 1 and props.q[1] is None
+    props.strip(a, 1)  # the draft probabilities shrink with the proposals
+    assert a.token_ids == [1, 2, 3, 8, 9] and props.q[0].tolist() == q[:2].tolist()
+    # verification: a keeps 1 of its 2 (and emits 2 tokens), b keeps its 1 (emits 2)
+    props.rewind(step, [(a, [8, 30]), (b, [11, 31])])
+    assert a.token_ids == [1, 2, 3, 8] and b.token_ids == [4, 5, 11]
+    assert [it.num_tokens for it in step.scheduled] == [3, 2]
+    assert props.seqs == props.num == props.q == {}
+    # a step that does not run a sequence at all takes every proposal back
+    props.add(c, [13, 14], None)
+    props.fit(SchedulerOutput(scheduled=[]))
+    assert c.token_ids == [6, 7] and props.seqs == {}
+    props.add(c, [15], None)
+    props.abandon()  # a failed step: every proposal leaves
+    assert c.token_ids == [6, 7] and props.num == {}
+
+
+def test_verify_reports_chosen_logprobs_only_where_the_engine_keeps_them():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(speculative_method="ngram", num_speculative_tokens=2, max_model_len=64)
+    sp = Speculator(cfg)
+    a = Sequence(0, "a", [1, 2, 3, 4], 2, SamplingParams(temperature=0))
+    sp.proposals.add(a, [5, 6], None)
+    logits = torch.zeros(3, 8)
+    logits[0, 5] = logits[1, 6] = logits[2, 7] = 5.0
+    for keep_all, want in ((False, None), (True, float)):
+        engine = SimpleNamespace(sampler=Sampler(all_logprobs=keep_all))
+        ((toks, lps, _),) = sp.verify(engine, logits, [a])
+        assert toks == [5, 6, 7] and all(
+            (lp is None) if want is None else isinstance(lp, float) for lp in lps
+        )
+    assert sp.stats(None)["num_drafts"] == 2
+    # a batch holding a sequence without proposals is not a verification
+    assert sp.verify(engine, logits, [a, Sequence(9, "z", [1], 1)]) is None
