@@ -750,6 +750,13 @@ from hetero_infer.spec_decode import proposers  # noqa: E402
 from hetero_infer.spec_decode.proposers import NgramIndex, NgramProposer  # noqa: E402
 
 
+def test_ngram_propose_tries_the_longest_suffix_first():
+    "By default the last 3 tokens; a longer match earlier on does not count."
+    toks = [1, 2, 3, 4, 7, 9, 2, 3, 4, 8, 1, 2, 3, 4]
+    assert ngram_propose(toks, 1) == [8]  # [2, 3, 4] last came before 8
+    assert ngram_propose(toks, 1, n_max=4) == [7]  # [1, 2, 3, 4] before 7
+
+
 def test_the_ngram_index_answers_as_the_scan_token_by_token():
     "Over random sequences with repeats, fed a token at a time: the same proposals as the scan."
     g = torch.Generator().manual_seed(0)
@@ -774,6 +781,10 @@ def test_the_ngram_proposer_keeps_one_index_per_live_sequence():
     assert (prop.index[1].n_min, prop.index[1].n_max) == (1, 2)
     toks, _ = prop.propose([a, b], [1, 3])
     assert toks == [[3], [8, 7]] and set(prop.index) == {1, 2}
+    ix = prop.index[1]  # kept from step to step: each call reads only the new tokens
+    a.token_ids += [3]
+    assert prop.propose([b, a], [0, 2]) == ([[], [1, 2]], [None, None])
+    assert prop.index[1] is ix and ix.upto == len(a.token_ids) - 1
     prop.drop({2})
     assert set(prop.index) == {2}
     prop.forget(2)
@@ -830,6 +841,8 @@ def test_draw_and_request_probs():
     want[:2] = torch.softmax(torch.tensor([2.0, 1.0]) / 0.5, -1)
     torch.testing.assert_close(p[0], want)
     assert int((p[1] > 0).sum()) == 2 and float(p[1, 3]) > 0.99  # top-2 of three ties and a 5
+    top1 = proposers.request_probs(x, SamplingParams(temperature=1.0, top_k=1))
+    assert top1.tolist() == [[1, 0, 0, 0], [0, 0, 0, 1]]
     full = proposers.request_probs(x, SamplingParams(temperature=1.0, top_k=0))  # all V
     torch.testing.assert_close(full, torch.softmax(x, -1))
     nucleus = proposers.request_probs(x[:1], SamplingParams(temperature=1.0, top_p=0.5))
@@ -856,6 +869,12 @@ def test_truncated_draft_keeps_the_bottom_layers_and_refuses_a_bad_count(tmp_pat
         names = set(f.keys())
     assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
     assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    whole = proposers.truncated_draft(src, tmp_path / "w" / "nested", 2)  # every layer
+    again = proposers.truncated_draft(src, tmp_path / "w" / "nested", 2)  # written over
+    assert (
+        whole == again
+        and json.loads((tmp_path / "w/nested/config.json").read_text())["num_hidden_layers"] == 2
+    )
     for bad in (0, 3):
         with pytest.raises(ValueError, match=r"num_layers must be in \[1, 2\], got " + str(bad)):
             proposers.truncated_draft(src, tmp_path / "e", bad)
@@ -914,3 +933,119 @@ def test_verify_reports_chosen_logprobs_only_where_the_engine_keeps_them():
     assert sp.stats(None)["num_drafts"] == 2
     # a batch holding a sequence without proposals is not a verification
     assert sp.verify(engine, logits, [a, Sequence(9, "z", [1], 1)]) is None
+
+
+def test_budget_proposes_only_tokens_that_can_be_emitted():
+    "k at most; fewer near max_tokens (the last token is the target's own) and max_model_len."
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(speculative_method="ngram", num_speculative_tokens=4, max_model_len=20)
+    sp = Speculator(cfg)
+
+    def seq(n, **kw):  # n tokens, 5 of them the prompt
+        return Sequence(0, "r", list(range(n)), 5, SamplingParams(**kw))
+
+    assert sp.budget(seq(10, max_tokens=None)) == 4
+    assert sp.budget(seq(10, max_tokens=100)) == 4
+    assert sp.budget(seq(10, max_tokens=8)) == 2  # 5 out, 3 to go: 2 proposals and the target's
+    assert sp.budget(seq(10, max_tokens=6)) == 0
+    assert sp.budget(seq(10, max_tokens=5)) == 0
+    assert sp.budget(seq(17, max_tokens=None)) == 3  # 3 positions left in the model's length
+    assert sp.budget(seq(20, max_tokens=None)) == 0
+
+
+def test_settle_leaves_only_the_emitted_tokens_and_frees_rejected_blocks():
+    """After the commit of a verification that kept 1 of 3 proposals: the kept proposal leaves
+    `token_ids` (the engine appends every emitted token next), and the block only rejected
+    proposals were written to goes back to the pool."""
+    from hetero_infer.kv_cache.block_manager import BlockManager
+    from hetero_infer.spec_decode.speculator import settle
+
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    running = Sequence(0, "a", list(range(6)), 6)
+    done = Sequence(1, "b", list(range(6)), 6)
+    for s in (running, done):
+        bm.allocate(s)
+        s.token_ids += [40, 41, 42]  # three proposals ride: 9 tokens, slots in 3 blocks
+        bm.append_slots(s, 9)
+        del s.token_ids[7:]  # rewound: 41 and 42 rejected
+        bm.commit(s, 7)  # the prompt and the kept proposal
+    running.status, done.status = SequenceStatus.RUNNING, SequenceStatus.FINISHED_LENGTH
+    free = bm.num_free_blocks()
+    settle(bm, [(running, [40, 43]), (done, [40, 43])])
+    assert running.token_ids == done.token_ids == list(range(6))
+    assert len(running.block_table) == 2 and bm.num_free_blocks() == free + 1
+    assert len(done.block_table) == 3  # a finished sequence's blocks go with the sequence
+    one = Sequence(2, "c", list(range(3)), 3)
+    settle(bm, [(one, [7])])  # nothing kept: nothing to take out
+    assert one.token_ids == [0, 1, 2]
+
+
+def test_candidates_are_decoding_sequences_past_their_first_token_with_all_forks():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(speculative_method="ngram", num_speculative_tokens=2, max_model_len=64)
+    sp = Speculator(cfg)
+
+    def seq(sid, rid, n_tokens, n_prompt, computed, n=1):
+        s = Sequence(sid, rid, list(range(n_tokens)), n_prompt, SamplingParams(n=n))
+        s.num_computed_tokens = computed
+        return s
+
+    decoding = seq(0, "a", 8, 5, 7)
+    first = seq(1, "b", 5, 5, 4)  # its prompt's last token still to run: no output yet
+    recomputing = seq(2, "c", 8, 5, 3)  # preempted with outputs, prefilling again
+    fork = seq(3, "d", 8, 5, 7, n=2)  # its sibling not made yet
+    running = [decoding, first, recomputing, fork]
+    requests = {"a": [decoding], "b": [first], "c": [recomputing], "d": [fork]}
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(running=running),
+        requests={r: SimpleNamespace(seqs=s) for r, s in requests.items()},
+    )
+    assert sp.candidates(engine) == [decoding]
+    engine.requests["d"].seqs.append(seq(4, "d", 8, 5, 7, n=2))
+    assert sp.candidates(engine) == [decoding, fork]
+
+
+def test_a_finished_sequence_leaves_no_proposer_state(tmp_path):
+    "The draft samples with the target's end-of-sequence ids; each proposer forgets what ends."
+
+    def plugin_of(engine, name):
+        (p,) = [p for p in engine.plugins if p.name == name]
+        return p
+
+    ngram = demo(speculative_method="ngram", num_speculative_tokens=3)
+    draft = demo(
+        speculative_method="draft",
+        num_speculative_tokens=3,
+        speculative_model=truncated_draft(DEMO_MODEL_DIR, tmp_path / "d", 1),
+    )
+    q = [format_prompt("sort: d c b a"), format_prompt("reverse: a b c d e")]
+    for llm in (ngram, draft):
+        llm.generate(q, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        assert plugin_of(llm.engine, "speculative").acceptance.num_drafts > 0
+    assert plugin_of(ngram.engine, "speculative").proposer.index == {}
+    d = plugin_of(draft.engine, "speculative").proposer
+    assert d.seqs == d.real == {} and d.bm.num_free_blocks() == d.bm.num_blocks
+    eos = draft.engine.eos_token_ids
+    assert eos and list(d.sampler.eos_token_ids) == list(eos)
+
+
+# Equivalent mutants of spec_decode/speculator.py, and those only a GPU tells apart:
+# - a `device=` argument dropped or None in `accept_sampled` and `emitted_logprobs` (every tensor
+#   is on the CPU here; `test_verification_through_the_triton_backend` verifies on a GPU);
+# - `<=` for `<` in the acceptance test (equal only on a draw of probability zero);
+# - `argmax(+1)` for `argmax(-1)` on (rows, V) logits; slices one row longer in
+#   `verify_proposals` (accept_greedy never reads past row k, accept_sampled never past p[k]);
+# - `m >= 0` in `Proposals.strip` and `len(toks) >= 1` in `settle` (deleting a zero-length tail);
+# - the initial values of `Speculator.proposer` and `Speculator.verified` ("" or None), and
+#   `verified = None` after the update: each is set before it is read.
+
+# Equivalent mutants of spec_decode/proposers.py: in `ngram_propose`, `and` for `or` and
+# `n_min - 1` in the early return (the loop below is empty then, or k = 0 slices nothing) and
+# `all(+1)` on (windows, n); in `NgramIndex`, dictionaries for n-grams never looked up
+# (`range(n_max + 1)`, `n_max + 2`), windows indexed again (`range(L - 1)`, `upto = L - 2`: the
+# latest start is written again), keys of another length that no lookup can match (`end + 2 >= n`,
+# `min(n_max, L + 1)`); `torch.Generator(None)` for the row's device (the CPU either way here);
+# in `request_probs`, the columns' dtype or device left to torch (`full` of a Python float is
+# float32 and of an int int64 anyway, and every tensor is on the CPU here).
