@@ -4,6 +4,8 @@ stop strings; sampled output keeps the target's distribution (chi-square against
 distribution); blocks all come back, the prefix cache holds only KV of accepted tokens, and a
 failed step is retried with its proposals taken back."""
 
+import pathlib
+
 import pytest
 import torch
 from hetero_infer.core.config import EngineConfig
@@ -869,6 +871,16 @@ def test_truncated_draft_keeps_the_bottom_layers_and_refuses_a_bad_count(tmp_pat
         names = set(f.keys())
     assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
     assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    with safe_open(f"{out}/model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what transformers' loader asks of a file
+    sharded = tmp_path / "s"
+    tiny_hf_checkpoint(sharded, "llama", max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    one = pathlib.Path(proposers.truncated_draft(sharded, tmp_path / "sd", 2))
+    assert sorted(p.name for p in one.glob("model*")) == ["model.safetensors"]  # no stale index
+    with safe_open(one / "model.safetensors", "pt") as f:
+        index = json.loads((sharded / "model.safetensors.index.json").read_text())
+        assert set(f.keys()) == set(index["weight_map"])  # every tensor of every shard
     whole = proposers.truncated_draft(src, tmp_path / "w" / "nested", 2)  # every layer
     again = proposers.truncated_draft(src, tmp_path / "w" / "nested", 2)  # written over
     assert (
@@ -1041,11 +1053,132 @@ def test_a_finished_sequence_leaves_no_proposer_state(tmp_path):
 # - the initial values of `Speculator.proposer` and `Speculator.verified` ("" or None), and
 #   `verified = None` after the update: each is set before it is read.
 
-# Equivalent mutants of spec_decode/proposers.py: in `ngram_propose`, `and` for `or` and
-# `n_min - 1` in the early return (the loop below is empty then, or k = 0 slices nothing) and
-# `all(+1)` on (windows, n); in `NgramIndex`, dictionaries for n-grams never looked up
-# (`range(n_max + 1)`, `n_max + 2`), windows indexed again (`range(L - 1)`, `upto = L - 2`: the
-# latest start is written again), keys of another length that no lookup can match (`end + 2 >= n`,
-# `min(n_max, L + 1)`); `torch.Generator(None)` for the row's device (the CPU either way here);
-# in `request_probs`, the columns' dtype or device left to torch (`full` of a Python float is
-# float32 and of an int int64 anyway, and every tensor is on the CPU here).
+# Equivalent mutants of spec_decode/proposers.py:
+# - `ngram_propose`: `and` for `or`, or `n_min - 1`, in the early return (the loop below is then
+#   empty, or k = 0 slices nothing); `all(+1)` on (windows, n).
+# - `NgramIndex`: dictionaries for n-grams never looked up (`range(n_max + 1)`, `n_max + 2`);
+#   windows indexed again (`range(L - 1)`, `upto = L - 2`: the latest start is written again);
+#   keys of another length, which no lookup matches (`end + 2 >= n`, `min(n_max, L + 1)`).
+# - `row_generator`, `request_probs`, `sample_draft`: a device of None (the CPU either way here);
+#   the columns' dtype left to torch (`full` of a float is float32, of an int int64 anyway).
+# - `sample_draft`: a view of every row (the same tokens in a copy), `seq_view(d, None)` (all its
+#   tokens, as len(d)), `argmax(+1)` on (rows, V), `x[i : i + 2][0]` (row i either way).
+# - `DraftProposer`: `len(toks) - 2` in `sync` (one token's KV recomputed that was right); the
+#   draft pass's entries in another order (a decode after a prefill runs the prefill path, with
+#   the same logits: the sort only lets the leading decodes take the decode kernel);
+#   `max(ks, default=1)` (no sequence: the first pass finds no draft and stops).
+# - `truncated_draft`: the config written without indentation (the same JSON).
+
+
+# ---- the draft proposer against a fresh one
+
+
+@pytest.fixture(scope="module")
+def draft_pair(tmp_path_factory):
+    "A tiny random Llama and its 1-layer truncated draft."
+    path = tmp_path_factory.mktemp("target")
+    tiny_hf_checkpoint(
+        path, "llama", initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    )  # fmt: skip
+    return path, truncated_draft(path, path.parent / "draft", 1)
+
+
+def draft_proposer(draft_pair, num_blocks=64):
+    from hetero_infer.spec_decode.proposers import DraftProposer
+
+    path, draft = draft_pair
+    cfg = EngineConfig(
+        model=str(path), speculative_method="draft", speculative_model=draft,
+        num_blocks=num_blocks, **CPU,
+    )  # fmt: skip
+    return DraftProposer(cfg, 256)
+
+
+def test_the_draft_proposer_kept_in_step_proposes_as_a_fresh_one(draft_pair):
+    """Proposal runs against the same target tokens from a proposer that keeps each draft's KV
+    across steps and from a fresh one: the same greedy proposals, exactly ks[i] of them. Only the
+    draft's KV past the first token the target did not accept is recomputed."""
+    greedy = SamplingParams(temperature=0)
+    g = torch.Generator().manual_seed(5)
+    a = Sequence(0, "a", torch.randint(0, 256, (7,), generator=g).tolist() + [3], 7, greedy)
+    b = Sequence(1, "b", torch.randint(0, 256, (12,), generator=g).tolist() + [9], 12, greedy, 1)
+    kept = draft_proposer(draft_pair)
+
+    def fresh(seqs, ks):
+        return draft_proposer(draft_pair).propose(seqs, ks)
+
+    props, qs = kept.propose([a, b], [3, 2])
+    assert [len(p) for p in props] == [3, 2] and qs == [None, None]
+    assert props == fresh([a, b], [3, 2])[0] == [fresh([a], [3])[0][0], fresh([b], [2])[0][0]]
+    da, db = kept.seqs[0], kept.seqs[1]
+    assert (da.request_id, db.request_id, da.index, db.index) == ("a", "b", 0, 1)
+    # a's first proposal is rejected and the target runs on for two steps without speculating;
+    # b's first is kept and its second rejected: only the target's token is new to b's draft, a
+    # decode beside a's 3-token chunk in the draft's next forward pass
+    a.token_ids += [(props[0][0] + 1) % 256, 17, 18]
+    b.token_ids += [props[1][0], (props[1][1] + 1) % 256]
+    again, _ = kept.propose([a, b], [2, 3])
+    assert again == fresh([a, b], [2, 3])[0] and [len(p) for p in again] == [2, 3]
+    assert da.token_ids[: len(a)] == a.token_ids and db.token_ids[: len(b)] == b.token_ids
+    assert kept.real == {0: len(a), 1: len(b)}
+    kept.drop({0})
+    assert set(kept.seqs) == set(kept.real) == {0} and not db.block_table
+    kept.propose([a, b], [1, 0])  # b proposes nothing: its draft is not made again
+    assert set(kept.seqs) == {0}
+    kept.forget(0)
+    assert kept.seqs == {} and kept.bm.num_free_blocks() == kept.bm.num_blocks
+
+
+def test_a_draft_out_of_room_proposes_what_it_has(draft_pair):
+    """A draft cache of 5 blocks of 8: two 15-token sequences take 2 each, a 3-token one the
+    last. The long ones propose 2 of their 4 (the third needs a block), the short one all 4
+    (its draft passes go on without them), and a fourth sequence gets no draft at all."""
+    greedy = SamplingParams(temperature=0)
+    lens = [15, 15, 3, 15]
+    seqs = [Sequence(i, f"r{i}", list(range(i, i + n)), n - 1, greedy) for i, n in enumerate(lens)]
+    kept = draft_proposer(draft_pair, num_blocks=5)
+    props, _ = kept.propose(seqs, [4, 4, 4, 4])
+    assert [len(p) for p in props] == [2, 2, 4, 0]
+    want = draft_proposer(draft_pair).propose(seqs[:3], [4, 4, 4])[0]
+    assert props[:3] == [want[0][:2], want[1][:2], want[2]]
+    alone = draft_proposer(draft_pair, num_blocks=2)  # every draft out of room at the third pass
+    assert alone.propose(seqs[:1], [4]) == ([want[0][:2]], [None])
+
+
+def test_sample_draft_draws_seeded_rows_from_their_own_generator():
+    "Greedy rows take the argmax; sampled ones draw from their parameters' distribution."
+    from hetero_infer.spec_decode.proposers import DRAFT_SALT, sample_draft
+
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    greedy = Sequence(0, "g", [1, 2], 1, SamplingParams(temperature=0))
+    seeded = Sequence(1, "s", [1, 2, 3], 1, SamplingParams(temperature=0.7, top_k=5, seed=9))
+    shared = Sequence(2, "u", [1, 2], 1, SamplingParams(temperature=1.0))
+    sampler = Sampler(seed=4)
+    torch.manual_seed(0)
+    toks, qs = sample_draft(sampler, x, [greedy, seeded, shared])
+    assert toks[0] == int(x[0].argmax()) and qs[0] is None
+    q = proposers.request_probs(x[1:2], seeded.params)[0]
+    torch.testing.assert_close(qs[1], q)
+    gen = proposers.row_generator(sampler, seeded, 2, "cpu", DRAFT_SALT)
+    assert toks[1] == proposers.draw(q, gen) and int((q > 0).sum()) == 5
+    torch.manual_seed(1)  # another global state: the seeded row's token is its own
+    assert sample_draft(Sampler(seed=4), x, [greedy, seeded, shared])[0][:2] == toks[:2]
+    torch.testing.assert_close(qs[2], proposers.request_probs(x[2:], shared.params)[0])
+
+
+def test_sample_draft_penalizes_each_rows_tokens_as_they_are_now():
+    """A draft sequence's tokens are cut back when the target rejects its proposals: its
+    penalties count the tokens it holds at each pass, never those it held before."""
+    from hetero_infer.spec_decode.proposers import sample_draft
+
+    x = torch.randn(1, 16, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, seed=1, frequency_penalty=1.5, presence_penalty=0.5)
+    d = Sequence(0, "d", [1, 2, 3, 3, 3, 4, 5, 5], 2, p)
+    sampler = Sampler()
+    sample_draft(sampler, x, [d])
+    del d.token_ids[4:]  # three of its proposals rejected
+    _, (q,) = sample_draft(sampler, x, [d])
+    fresh = Sequence(0, "d", list(d.token_ids), 2, p)
+    _, (want,) = sample_draft(Sampler(), x, [fresh])
+    torch.testing.assert_close(q, want)
