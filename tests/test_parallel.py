@@ -6,6 +6,7 @@ parallelism; the server answers with 2 ranks and leaves no process behind; a wor
 ends the engine with an error naming it, within the timeout."""
 
 import copy
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import torch
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM, EngineStepError
 from hetero_infer.engine.plugins import EngineDeadError
+from hetero_infer.scheduler.output import SchedulerOutput
 from hetero_infer.testing import FAMILIES, tiny_hf_checkpoint
 from test_engine import hf_greedy, prompts
 
@@ -389,7 +391,7 @@ class ThreadGroup:
     class ReduceOp:
         SUM, MIN = "sum", "min"
 
-    def __init__(self, world: int, timeout: float = 60.0):
+    def __init__(self, world: int, timeout: float = 30.0):
         self.world, self.local = world, threading.local()
         self.meet = threading.Barrier(world, timeout=timeout)
         self.slots: list = [None] * world
@@ -464,14 +466,19 @@ def threaded_ranks(monkeypatch):
     from types import SimpleNamespace
     from hetero_infer.parallel import runner, shards
 
-    runners, load = {}, runner.rank_runner
+    runners, load, configs = {}, runner.rank_runner, {}
 
     def rank_runner(config, rank, world):
+        if rank in configs:
+            config = dataclasses.replace(config, num_blocks=configs[rank])
         runners[rank] = load(config, rank, world)
         return runners[rank]
 
-    def install(world: int):
+    def install(world: int, blocks: dict | None = None):
+        "`blocks`: {rank: KV blocks it can afford}, to make the ranks disagree."
         group = ThreadGroup(world)
+        for rank, n in (blocks or {}).items():
+            configs[rank] = n
         for mod in (runner, shards):
             monkeypatch.setattr(mod, "dist", group)
         monkeypatch.setattr(RankThread, "group", group, raising=False)
@@ -482,6 +489,7 @@ def threaded_ranks(monkeypatch):
     for k in shards.COMM_BYTES:
         monkeypatch.setitem(shards.COMM_BYTES, k, 0)
     threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # each of the ranks on a CPU takes its share
     yield install
     torch.set_num_threads(threads)
 
@@ -511,15 +519,21 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
     edges = [0, per_rank - 1, per_rank, c.vocab_size - 1, per_rank + 1, 5]
     ps = [edges] + prompts((17,), vocab=c.vocab_size)
     want = _run(tmp_path, ps)
-    group, _ = threaded_ranks(world)
-    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=world)
+    group, runners = threaded_ranks(world, blocks={world - 1: 40})
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=world, num_blocks=64)
     try:
         eng = llm.engine
+        assert torch.get_num_threads() == 4 // world
+        # every rank keeps the fewest blocks any rank can afford
+        assert [runners[r].num_blocks for r in range(world)] == [40] * world
+        assert eng.runner.execute(SchedulerOutput()).shape == (0, c.vocab_size)  # nothing to run
         workers = eng.runner.workers
         assert [w.name for w in workers] == [f"hetero-infer-tp{r}" for r in range(1, world)]
         assert all(w.is_alive() for w in workers)
         assert eng.stats["tensor_parallel"] == {"world_size": world}
         assert repr(eng.runner).startswith(f"TensorParallelRunner(rank 0 of {world}: ")
+        with pytest.raises(RuntimeError, match="already running in this process; close it first"):
+            LLM(str(tmp_path), **CPU, tensor_parallel_size=world)
         widths, execute = [], eng.runner.execute
 
         def recorded(sched):
@@ -534,7 +548,9 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
     assert got == want
     assert all(not w.is_alive() and w.exitcode == 0 for w in workers)
     assert set(widths) == {c.vocab_size}
-    assert ("barrier" in {what for _, what in group.calls}) and group.local.rank is None
+    # every rank meets at the barrier before the group is torn down
+    assert {r for r, what in group.calls if what == "barrier"} == set(range(world))
+    assert group.local.rank is None
     # per rank and token: the embedding, and each layer's o_proj and down_proj, sum hidden floats;
     # per logits row: the rank's part of the padded vocabulary is gathered
     tokens = sum(len(p) for p in ps) + len(ps) * (N_NEW - 1)
@@ -570,3 +586,14 @@ def test_a_failing_worker_thread_ends_the_engine_naming_its_rank(tmp_path, threa
     finally:
         llm.close()
     assert eng.runner.closed and eng.runner.workers == []
+
+
+def test_a_main_script_that_is_no_file_is_refused_before_any_rank_starts(
+    tmp_path, monkeypatch, threaded_ranks
+):
+    _model(tmp_path, "llama")
+    group, runners = threaded_ranks(2)
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "<stdin>", raising=False)
+    with pytest.raises(ValueError, match="re-import the main script, and '<stdin>' is not a file"):
+        LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
+    assert runners == {} and group.calls == []
