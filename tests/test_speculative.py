@@ -816,6 +816,8 @@ def test_seq_view_and_the_state_a_row_needs():
     # min_tokens counts the outputs before the last k (the proposals) only
     m = Sequence(0, "r", [1, 2, 3, 4, 5], 2, SamplingParams(min_tokens=2))
     assert not state(m) and not state(m, 1) and state(m, 2)
+    m3 = Sequence(0, "r", [1, 2, 3, 4, 5], 2, SamplingParams(min_tokens=3))
+    assert not state(m3) and state(m3, 1)  # by default every output counts
 
 
 def test_row_generators_are_seeded_per_position_or_shared():
@@ -1067,7 +1069,10 @@ def test_a_finished_sequence_leaves_no_proposer_state(tmp_path):
 #   draft pass's entries in another order (a decode after a prefill runs the prefill path, with
 #   the same logits: the sort only lets the leading decodes take the decode kernel);
 #   `max(ks, default=1)` (no sequence: the first pass finds no draft and stops).
-# - `truncated_draft`: the config written without indentation (the same JSON).
+# - `load_draft`: the runner's config keeping the target's tokenizer or prefix caching (a
+#   `ModelRunner` reads neither; the draft's own `BlockManager` is built without the cache).
+# - `draw`: a device of None (the CPU here).
+# - `truncated_draft`: the config written with another indentation, or none (the same JSON).
 
 
 # ---- the draft proposer against a fresh one
@@ -1110,6 +1115,7 @@ def test_the_draft_proposer_kept_in_step_proposes_as_a_fresh_one(draft_pair):
 
     props, qs = kept.propose([a, b], [3, 2])
     assert [len(p) for p in props] == [3, 2] and qs == [None, None]
+    assert kept.sampler.seed == 1  # its shared generator apart from the target's (seed 0)
     assert props == fresh([a, b], [3, 2])[0] == [fresh([a], [3])[0][0], fresh([b], [2])[0][0]]
     da, db = kept.seqs[0], kept.seqs[1]
     assert (da.request_id, db.request_id, da.index, db.index) == ("a", "b", 0, 1)
@@ -1128,6 +1134,25 @@ def test_the_draft_proposer_kept_in_step_proposes_as_a_fresh_one(draft_pair):
     assert set(kept.seqs) == {0}
     kept.forget(0)
     assert kept.seqs == {} and kept.bm.num_free_blocks() == kept.bm.num_blocks
+
+
+def test_drafts_never_share_blocks(draft_pair):
+    """Two targets with one prompt: the second's draft computes it again. A draft's blocks hold
+    the KV of proposals the target may reject, so the draft keeps no prefix cache."""
+    greedy = SamplingParams(temperature=0)
+    a, b = (Sequence(i, f"r{i}", list(range(17)), 16, greedy) for i in range(2))
+    kept = draft_proposer(draft_pair)
+    first, _ = kept.propose([a], [2])  # a's draft computes (and commits) 2 full blocks
+    second, _ = kept.propose([b], [2])
+    assert first == second and kept.bm.num_free_blocks() == kept.bm.num_blocks - 2 * 3
+    assert not set(kept.seqs[0].block_table) & set(kept.seqs[1].block_table)
+
+
+def test_a_draft_that_does_not_load_is_refused_naming_the_field(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"^speculative_model: "):
+        LLM(device="cpu", speculative_method="draft", speculative_model=str(tmp_path / "d"))
 
 
 def test_a_draft_out_of_room_proposes_what_it_has(draft_pair):
