@@ -462,11 +462,12 @@ class RankThread(threading.Thread):
 @pytest.fixture
 def threaded_ranks(monkeypatch):
     """`install(world)`: tensor-parallel ranks 1.. start as threads, and every collective is a
-    `ThreadGroup`'s. Returns the group and {rank: its runner}, filled as the ranks load."""
+    `ThreadGroup`'s. Returns the group, {rank: its runner} (filled as the ranks load) and the
+    thread counts the ranks set."""
     from types import SimpleNamespace
     from hetero_infer.parallel import runner, shards
 
-    runners, load, configs = {}, runner.rank_runner, {}
+    runners, load, configs, thread_counts = {}, runner.rank_runner, {}, []
 
     def rank_runner(config, rank, world):
         if rank in configs:
@@ -482,16 +483,17 @@ def threaded_ranks(monkeypatch):
         for mod in (runner, shards):
             monkeypatch.setattr(mod, "dist", group)
         monkeypatch.setattr(RankThread, "group", group, raising=False)
-        return group, runners
+        return group, runners, thread_counts
 
     monkeypatch.setattr(runner, "rank_runner", rank_runner)
     monkeypatch.setattr(runner, "_worker_context", lambda: SimpleNamespace(Process=RankThread))
     for k in shards.COMM_BYTES:
         monkeypatch.setitem(shards.COMM_BYTES, k, 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # each of the ranks on a CPU takes its share
-    yield install
-    torch.set_num_threads(threads)
+    # each rank on a CPU takes its share of the threads: recorded, not set (more than one intra-op
+    # thread here would also slow every other test of the process)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: thread_counts.append(n))
+    return install
 
 
 THREADED = {  # family, ranks, config: each a different part of the split
@@ -519,14 +521,15 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
     edges = [0, per_rank - 1, per_rank, c.vocab_size - 1, per_rank + 1, 5]
     ps = [edges] + prompts((17,), vocab=c.vocab_size)
     want = _run(tmp_path, ps)
-    group, runners = threaded_ranks(world, blocks={world - 1: 40})
+    group, runners, thread_counts = threaded_ranks(world, blocks={world - 1: 40})
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=world, num_blocks=64)
     try:
         eng = llm.engine
-        assert torch.get_num_threads() == 4 // world
-        # every rank keeps the fewest blocks any rank can afford
-        assert [runners[r].num_blocks for r in range(world)] == [40] * world
+        assert thread_counts == [4 // world] * world  # of 4
         assert eng.runner.execute(SchedulerOutput()).shape == (0, c.vocab_size)  # nothing to run
+        # every rank keeps the fewest blocks any rank can afford (each rank has its runner once it
+        # has joined the step above)
+        assert [runners[r].num_blocks for r in range(world)] == [40] * world
         workers = eng.runner.workers
         assert [w.name for w in workers] == [f"hetero-infer-tp{r}" for r in range(1, world)]
         assert all(w.is_alive() for w in workers)
@@ -564,10 +567,11 @@ def test_a_failing_worker_thread_ends_the_engine_naming_its_rank(tmp_path, threa
     from hetero_infer.testing import fail_forward
 
     _model(tmp_path, "llama")
-    group, runners = threaded_ranks(2)
+    group, runners, _ = threaded_ranks(2)
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
     try:
         eng = llm.engine
+        eng.runner.execute(SchedulerOutput())  # every rank has its runner once past a step
         fail_forward(runners[1].model, {5}, RuntimeError("rank 1 broke"))
         for i, p in enumerate(prompts((5, 9, 7))):
             eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50))
@@ -592,7 +596,7 @@ def test_a_main_script_that_is_no_file_is_refused_before_any_rank_starts(
     tmp_path, monkeypatch, threaded_ranks
 ):
     _model(tmp_path, "llama")
-    group, runners = threaded_ranks(2)
+    group, runners, _ = threaded_ranks(2)
     monkeypatch.setattr(sys.modules["__main__"], "__file__", "<stdin>", raising=False)
     with pytest.raises(ValueError, match="re-import the main script, and '<stdin>' is not a file"):
         LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
