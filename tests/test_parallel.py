@@ -7,7 +7,9 @@ ends the engine with an error naming it, within the timeout."""
 
 import copy
 import dataclasses
+import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -398,7 +400,12 @@ class ThreadGroup:
         self.calls: list = []  # (rank, collective)
 
     def init_process_group(self, backend, *, init_method, rank, world_size, timeout):
-        assert (backend, world_size) == ("gloo", self.world)
+        from hetero_infer.parallel.runner import COLLECTIVE_TIMEOUT_S
+
+        assert (backend, world_size) == ("gloo", self.world)  # gloo: the ranks are on a CPU
+        port = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", init_method)
+        assert port and 0 < int(port[1]) < 65536, init_method  # a port rank 0 found free
+        assert timeout == datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         self.local.rank = rank
 
     def is_available(self):
@@ -423,6 +430,8 @@ class ThreadGroup:
         return got
 
     def all_reduce(self, x, op="sum"):
+        if op not in (self.ReduceOp.SUM, self.ReduceOp.MIN):
+            raise TypeError(f"all_reduce: no reduction {op!r}")
         parts = self._exchange("all_reduce", x.clone())
         x.copy_(torch.stack(parts).sum(0) if op == "sum" else torch.stack(parts).amin(0))
 
@@ -430,7 +439,7 @@ class ThreadGroup:
         for p, got in zip(parts, self._exchange("all_gather", x.clone())):
             p.copy_(got)
 
-    def broadcast_object_list(self, box, src=0):
+    def broadcast_object_list(self, box, *, src):
         box[0] = copy.deepcopy(self._exchange("broadcast", box[0])[src])  # as if pickled
 
     def barrier(self):
@@ -444,6 +453,7 @@ class RankThread(threading.Thread):
     group: ThreadGroup
 
     def __init__(self, target, args, daemon, name):
+        assert daemon is True  # a worker never keeps the interpreter alive
         super().__init__(target=self._main, args=(target, args), daemon=daemon, name=name)
         self.exitcode, self.error = None, None
 
@@ -534,7 +544,9 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
         assert [w.name for w in workers] == [f"hetero-infer-tp{r}" for r in range(1, world)]
         assert all(w.is_alive() for w in workers)
         assert eng.stats["tensor_parallel"] == {"world_size": world}
-        assert repr(eng.runner).startswith(f"TensorParallelRunner(rank 0 of {world}: ")
+        r = repr(eng.runner)
+        assert r.startswith(f"TensorParallelRunner(rank 0 of {world}: ") and r.endswith(")")
+        assert "ModelRunner(" not in r and r.count("(") == r.count(")"), r
         with pytest.raises(RuntimeError, match="already running in this process; close it first"):
             LLM(str(tmp_path), **CPU, tensor_parallel_size=world)
         widths, execute = [], eng.runner.execute
@@ -550,6 +562,8 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
         llm.close()
     assert got == want
     assert all(not w.is_alive() and w.exitcode == 0 for w in workers)
+    with pytest.raises(RuntimeError, match="engine was closed; start a new one"):
+        eng.runner.execute(SchedulerOutput())
     assert set(widths) == {c.vocab_size}
     # every rank meets at the barrier before the group is torn down
     assert {r for r, what in group.calls if what == "barrier"} == set(range(world))
@@ -581,6 +595,8 @@ def test_a_failing_worker_thread_ends_the_engine_naming_its_rank(tmp_path, threa
                 outs += eng.step()
         (worker,) = eng.runner.workers
         assert worker.exitcode == 1 and str(worker.error) == "rank 1 broke"
+        with pytest.raises(RuntimeError, match=r"^tensor-parallel worker rank 1 exited \(exit"):
+            eng.runner.check_workers()
         assert eng.stats["tensor_parallel"]["fatal"] == eng.runner.broken
         finals = [o for o in outs + dead.value.outputs if o.finished]
         assert sorted(o.request_id for o in finals) == ["r0", "r1", "r2"]
@@ -601,3 +617,71 @@ def test_a_main_script_that_is_no_file_is_refused_before_any_rank_starts(
     with pytest.raises(ValueError, match="re-import the main script, and '<stdin>' is not a file"):
         LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
     assert runners == {} and group.calls == []
+
+
+def test_a_failing_step_on_rank_0_ends_the_engine_with_its_first_line(tmp_path, threaded_ranks):
+    "Rank 0's forward raises while the workers wait: the engine is broken, with the error's line."
+    from hetero_infer.testing import fail_forward
+
+    _model(tmp_path, "llama")
+    group, runners, _ = threaded_ranks(2)
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2, max_retry_attempts=0)
+    try:
+        eng = llm.engine
+        fail_forward(eng.runner.model, {1}, RuntimeError("rank 0 broke " + "x" * 300 + "\nmore"))
+        eng.add_request("r", prompts((5,))[0], SamplingParams(temperature=0, max_tokens=4))
+        outs = eng.step()
+        want = f"a tensor-parallel step failed (RuntimeError: rank 0 broke {'x' * 187}); the "
+        assert eng.runner.broken == want + "engine cannot continue"
+        assert [o.outputs[0].finish_reason for o in outs] == ["error"]
+        with pytest.raises(EngineDeadError, match="the engine cannot continue"):
+            eng.step()
+        group.meet.abort()  # the worker waiting in its collective gives up, as gloo's would
+    finally:
+        llm.close()
+
+
+def test_each_rank_finds_its_device(monkeypatch):
+    from types import SimpleNamespace
+    from hetero_infer.parallel import runner
+
+    cfg = SimpleNamespace(device="cpu")
+    assert [runner._rank_device(cfg, r) for r in (0, 1)] == ["cpu", "cpu"]
+    monkeypatch.setattr(runner, "resolve_device", lambda d: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert [runner._rank_device(cfg, r) for r in (0, 1, 2)] == ["cuda:0", "cuda:1", "cuda:0"]
+    monkeypatch.setenv("LOCAL_RANK", "3")  # torchrun's rank on this machine
+    assert runner._rank_device(cfg, 0) == "cuda:1"
+
+
+@pytest.mark.parametrize(
+    "env, under",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, True),
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "h"}, False),
+        ({"RANK": "0", "MASTER_ADDR": "h"}, False),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, False),
+    ],
+)
+def test_torchrun_is_recognised_by_its_three_variables(monkeypatch, env, under):
+    from hetero_infer.parallel import runner
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert runner._under_torchrun() is under
+
+
+def test_a_torchrun_of_one_process_starts_its_own_ranks(tmp_path, monkeypatch, threaded_ranks):
+    "torchrun with one process (WORLD_SIZE=1) and tensor_parallel_size=2: the engine spawns them."
+    _model(tmp_path, "llama")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    threaded_ranks(2)
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
+    try:
+        assert len(llm.engine.runner.workers) == 1
+    finally:
+        llm.close()
