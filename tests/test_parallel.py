@@ -562,7 +562,9 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
         llm.close()
     assert got == want
     assert all(not w.is_alive() and w.exitcode == 0 for w in workers)
-    with pytest.raises(RuntimeError, match="engine was closed; start a new one"):
+    with pytest.raises(
+        RuntimeError, match=r"^this tensor-parallel engine was closed; start a new one$"
+    ):
         eng.runner.execute(SchedulerOutput())
     assert set(widths) == {c.vocab_size}
     # every rank meets at the barrier before the group is torn down
@@ -634,6 +636,7 @@ def test_a_failing_step_on_rank_0_ends_the_engine_with_its_first_line(tmp_path, 
         want = f"a tensor-parallel step failed (RuntimeError: rank 0 broke {'x' * 187}); the "
         assert eng.runner.broken == want + "engine cannot continue"
         assert [o.outputs[0].finish_reason for o in outs] == ["error"]
+        assert want in outs[0].error  # the request ends with the reason
         with pytest.raises(EngineDeadError, match="the engine cannot continue"):
             eng.step()
         group.meet.abort()  # the worker waiting in its collective gives up, as gloo's would
@@ -675,13 +678,17 @@ def test_torchrun_is_recognised_by_its_three_variables(monkeypatch, env, under):
 
 
 def test_a_torchrun_of_one_process_starts_its_own_ranks(tmp_path, monkeypatch, threaded_ranks):
-    "torchrun with one process (WORLD_SIZE=1) and tensor_parallel_size=2: the engine spawns them."
-    _model(tmp_path, "llama")
+    """torchrun with one process (WORLD_SIZE=1) and tensor_parallel_size=2: the engine spawns them.
+    A bfloat16 checkpoint: every rank loads its shard in the dtype asked for."""
+    _model(tmp_path, "llama").to(torch.bfloat16).save_pretrained(tmp_path)
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)
-    threaded_ranks(2)
+    _, runners, _ = threaded_ranks(2)
     llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
     try:
         assert len(llm.engine.runner.workers) == 1
+        llm.engine.runner.execute(SchedulerOutput())
+        dtypes = {p.dtype for r in runners.values() for p in r.model.parameters()}
+        assert dtypes == {torch.float32} and len(runners) == 2
     finally:
         llm.close()
