@@ -17,6 +17,7 @@ import threading
 import time
 import pytest
 import torch
+from types import SimpleNamespace
 from hetero_infer.core.sampling_params import SamplingParams
 from hetero_infer.engine.llm import LLM, EngineStepError
 from hetero_infer.engine.plugins import EngineDeadError
@@ -474,7 +475,7 @@ def threaded_ranks(monkeypatch):
     """`install(world)`: tensor-parallel ranks 1.. start as threads, and every collective is a
     `ThreadGroup`'s. Returns the group, {rank: its runner} (filled as the ranks load) and the
     thread counts the ranks set."""
-    from types import SimpleNamespace
+    from hetero_infer.moe import parallel as moe_parallel
     from hetero_infer.parallel import runner, shards
 
     runners, load, configs, thread_counts = {}, runner.rank_runner, {}, []
@@ -490,7 +491,7 @@ def threaded_ranks(monkeypatch):
         group = ThreadGroup(world)
         for rank, n in (blocks or {}).items():
             configs[rank] = n
-        for mod in (runner, shards):
+        for mod in (runner, shards, moe_parallel):
             monkeypatch.setattr(mod, "dist", group)
         monkeypatch.setattr(RankThread, "group", group, raising=False)
         return group, runners, thread_counts
@@ -499,6 +500,14 @@ def threaded_ranks(monkeypatch):
     monkeypatch.setattr(runner, "_worker_context", lambda: SimpleNamespace(Process=RankThread))
     for k in shards.COMM_BYTES:
         monkeypatch.setitem(shards.COMM_BYTES, k, 0)
+        monkeypatch.setitem(shards.COMM_SECONDS, k, 0.0)
+    ticks = threading.local()
+
+    def perf_counter():  # each thread's own clock, one tick per reading
+        ticks.n = getattr(ticks, "n", 0) + 1
+        return float(ticks.n)
+
+    monkeypatch.setattr(shards, "time", SimpleNamespace(perf_counter=perf_counter))
     # each rank on a CPU takes its share of the threads: recorded, not set (more than one intra-op
     # thread here would also slow every other test of the process)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
@@ -506,11 +515,15 @@ def threaded_ranks(monkeypatch):
     return install
 
 
-THREADED = {  # family, ranks, config: each a different part of the split
-    "padded-vocab-biases": ("llama", 2, dict(vocab_size=257, attention_bias=True, mlp_bias=True)),
-    "one-kv-head-tied": ("qwen2", 2, dict(num_key_value_heads=1, tie_word_embeddings=True)),
-    "kv-heads-shared-by-4": ("mistral", 4, dict(num_key_value_heads=2)),
-}
+THREADED = {  # family, ranks, config, engine options: each a different part of the split
+    "padded-vocab-biases": (
+        "llama", 2, dict(vocab_size=257, attention_bias=True, mlp_bias=True), {}
+    ),
+    "one-kv-head-tied": ("qwen2", 2, dict(num_key_value_heads=1, tie_word_embeddings=True), {}),
+    "kv-heads-shared-by-4": ("mistral", 4, dict(num_key_value_heads=2), {}),
+    "experts-split-by-features": ("qwen3_moe", 2, {}, {}),
+    "experts-split-by-rank": ("mixtral", 2, {}, dict(enable_expert_parallel=True)),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(THREADED))
@@ -521,18 +534,19 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
     passes; the workers leave their loops at close."""
     from hetero_infer.parallel import shards
 
-    family, world, shape = THREADED[case]
+    family, world, shape, options = THREADED[case]
     hf = tiny_hf_checkpoint(
         tmp_path, family, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
         pad_token_id=None, **shape,
     )  # fmt: skip
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)  # stored in bfloat16, run in float32
     c = hf.config
     per_rank = -(-c.vocab_size // world)
     edges = [0, per_rank - 1, per_rank, c.vocab_size - 1, per_rank + 1, 5]
     ps = [edges] + prompts((17,), vocab=c.vocab_size)
     want = _run(tmp_path, ps)
     group, runners, thread_counts = threaded_ranks(world, blocks={world - 1: 40})
-    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=world, num_blocks=64)
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=world, num_blocks=64, **options)
     try:
         eng = llm.engine
         assert thread_counts == [4 // world] * world  # of 4
@@ -540,6 +554,8 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
         # every rank keeps the fewest blocks any rank can afford (each rank has its runner once it
         # has joined the step above)
         assert [runners[r].num_blocks for r in range(world)] == [40] * world
+        params = [p for r in runners.values() for p in r.model.parameters()]
+        assert {(p.dtype, p.requires_grad) for p in params} == {(torch.float32, False)}
         workers = eng.runner.workers
         assert [w.name for w in workers] == [f"hetero-infer-tp{r}" for r in range(1, world)]
         assert all(w.is_alive() for w in workers)
@@ -570,6 +586,12 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
     # every rank meets at the barrier before the group is torn down
     assert {r for r, what in group.calls if what == "barrier"} == set(range(world))
     assert group.local.rank is None
+    if "moe" in family or family == "mixtral":
+        return  # a mixture of experts passes its own traffic (16_mixture_of_experts)
+    # the seconds in each collective: here each rank's clock ticks once per reading
+    calls = [what for _, what in group.calls]
+    assert shards.COMM_SECONDS["all_reduce"] == calls.count("all_reduce") - world  # not the
+    assert shards.COMM_SECONDS["all_gather"] == calls.count("all_gather")  # blocks' agreement
     # per rank and token: the embedding, and each layer's o_proj and down_proj, sum hidden floats;
     # per logits row: the rank's part of the padded vocabulary is gathered
     tokens = sum(len(p) for p in ps) + len(ps) * (N_NEW - 1)
@@ -692,3 +714,55 @@ def test_a_torchrun_of_one_process_starts_its_own_ranks(tmp_path, monkeypatch, t
         assert dtypes == {torch.float32} and len(runners) == 2
     finally:
         llm.close()
+
+
+def test_without_a_group_every_collective_is_the_identity():
+    from hetero_infer.parallel import shards
+
+    x = torch.arange(6.0).view(2, 3)
+    before = dict(shards.COMM_BYTES)
+    assert shards.group_size() == 1
+    assert shards.all_reduce(x) is x and shards.all_gather_last(x) is x
+    assert shards.COMM_BYTES == before and x.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_shard_plan_splits_heads_features_and_vocabulary_or_names_what_it_cannot():
+    from hetero_infer.model.layers import ModelConfig
+    from hetero_infer.parallel.shards import shard_plan
+
+    base = dict(
+        architecture="LlamaForCausalLM", vocab_size=11, hidden_size=8, intermediate_size=12,
+        num_layers=1, num_heads=4, num_kv_heads=4, head_dim=2,
+    )  # fmt: skip
+    plan = shard_plan(ModelConfig(**base), 1, 2)
+    assert (plan.rank, plan.world_size, plan.q_heads, plan.kv_heads) == (
+        1,
+        2,
+        range(2, 4),
+        range(2, 4),
+    )
+    assert (plan.inter, plan.vocab, plan.vocab_per_rank) == (range(6, 12), range(6, 12), 6)
+    assert shard_plan(ModelConfig(**{**base, "num_kv_heads": 2}), 3, 4).kv_heads == range(1, 2)
+    for kw, world, what in [
+        (dict(num_heads=6, num_kv_heads=3), 2, r"num_key_value_heads \(3\) or be a multiple of it"),
+        (dict(intermediate_size=13), 2, r"intermediate_size \(13\)"),
+    ]:
+        with pytest.raises(
+            ValueError, match=rf"^tensor_parallel_size \({world}\) must divide {what}$"
+        ):
+            shard_plan(ModelConfig(**{**base, **kw}), 0, world)
+
+
+# Equivalent mutants of parallel/runner.py and parallel/shards.py, or ones only a GPU or another
+# machine tells apart:
+# - a device moved to or named as None, or left out, in `_meta_to`, `execute`, `rank_runner`,
+#   `load_shard` and `_place` (every rank here is on the one CPU), and the CUDA branches of
+#   `rank_runner` and `init_group` (nccl, `torch.cuda.set_device`);
+# - the checkpoint's dtype read by other names in `rank_runner` (`dtype="auto"` is float32 on a
+#   CPU whatever the checkpoint says);
+# - `p.join(2.0)` or `join(None)` for a worker that has already exited, and `close` run again
+#   with no workers left (nothing to do either way);
+# - in `shard_plan`, `>` for `>=` where the ranks equal the KV heads (one head each either way);
+#   `dim=+1` for `dim=-1` on (rows, vocabulary) logits; an id outside a rank's rows looked up at
+#   row 1 instead of 0 (masked to zero either way).
+# `torchrun_runner` and `_worker_context` run only in the spawned-process tests above.
