@@ -3,7 +3,8 @@ tensor_parallel_size=2 equals one process and transformers for every family (one
 head, a vocabulary not divisible by 2, tied and untied embeddings), also with chunked prefill,
 prefix caching and preemption; mixture-of-experts models with TP over experts and with expert
 parallelism; the server answers with 2 ranks and leaves no process behind; a worker that dies
-ends the engine with an error naming it, within the timeout."""
+ends the engine with an error naming it, within the timeout. The same engine with its ranks as
+threads of the test's process (`ThreadGroup`), where every line of the split runs in-process."""
 
 import copy
 import dataclasses
@@ -405,7 +406,7 @@ class ThreadGroup:
 
         assert (backend, world_size) == ("gloo", self.world)  # gloo: the ranks are on a CPU
         port = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", init_method)
-        assert port and 0 < int(port[1]) < 65536, init_method  # a port rank 0 found free
+        assert init_method == "env://" or port and 1024 <= int(port[1]) < 65536, init_method
         assert timeout == datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         self.local.rank = rank
 
@@ -462,6 +463,8 @@ class RankThread(threading.Thread):
         try:
             target(*args)
             self.exitcode = 0
+        except SystemExit as e:  # a rank whose whole job is done
+            self.exitcode = e.code
         except BaseException as e:
             self.exitcode, self.error = 1, e
             self.group.meet.abort()
@@ -550,6 +553,7 @@ def test_tp_as_threads_equals_one_process_and_counts_its_traffic(case, tmp_path,
     try:
         eng = llm.engine
         assert thread_counts == [4 // world] * world  # of 4
+        assert all(type(n) is int for n in thread_counts)
         assert eng.runner.execute(SchedulerOutput()).shape == (0, c.vocab_size)  # nothing to run
         # every rank keeps the fewest blocks any rank can afford (each rank has its runner once it
         # has joined the step above)
@@ -699,6 +703,52 @@ def test_torchrun_is_recognised_by_its_three_variables(monkeypatch, env, under):
     assert runner._under_torchrun() is under
 
 
+class RankEnviron(dict):
+    "`os.environ` as each rank's thread sees it: its own RANK, every other variable shared."
+
+    def __init__(self, env: dict, ranks: dict):  # ranks: {thread name: rank}
+        super().__init__(env)
+        self.ranks = ranks
+
+    def __getitem__(self, k):
+        if k == "RANK":
+            return str(self.ranks.get(threading.current_thread().name, 0))
+        return super().__getitem__(k)
+
+
+def test_under_torchrun_rank_0_serves_and_the_others_run_their_loop(
+    tmp_path, monkeypatch, threaded_ranks
+):
+    """torchrun started two processes (here: threads, each reading its own RANK): rank 0 returns
+    the engine, rank 1 serves steps until it closes, then exits. A WORLD_SIZE other than
+    tensor_parallel_size is refused naming both."""
+    from hetero_infer.core.config import EngineConfig
+    from hetero_infer.parallel import runner
+
+    hf = _model(tmp_path, "llama")
+    ps = prompts((3, 17), vocab=hf.config.vocab_size)
+    want = _run(tmp_path, ps)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    monkeypatch.setattr(runner, "os", SimpleNamespace(environ=RankEnviron(env, {"rank1": 1})))
+    group, runners, _ = threaded_ranks(2)
+    cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **CPU)
+    worker = RankThread(runner.torchrun_runner, (cfg, 2), daemon=True, name="rank1")
+    worker.start()
+    llm = LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.workers == []  # torchrun, not the engine, owns the processes
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    finally:
+        llm.close()
+    worker.join(10)
+    assert got == want and worker.exitcode == 0 and sorted(runners) == [0, 1]
+    runner.os.environ["WORLD_SIZE"] = "3"
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size \(2\) differs from the WORLD_SIZE=3"
+    ):
+        LLM(str(tmp_path), **CPU, tensor_parallel_size=2)
+
+
 def test_a_torchrun_of_one_process_starts_its_own_ranks(tmp_path, monkeypatch, threaded_ranks):
     """torchrun with one process (WORLD_SIZE=1) and tensor_parallel_size=2: the engine spawns them.
     A bfloat16 checkpoint: every rank loads its shard in the dtype asked for."""
@@ -765,4 +815,13 @@ def test_shard_plan_splits_heads_features_and_vocabulary_or_names_what_it_cannot
 # - in `shard_plan`, `>` for `>=` where the ranks equal the KV heads (one head each either way);
 #   `dim=+1` for `dim=-1` on (rows, vocabulary) logits; an id outside a rank's rows looked up at
 #   row 1 instead of 0 (masked to zero either way).
-# `torchrun_runner` and `_worker_context` run only in the spawned-process tests above.
+# `_worker_context` runs only in the spawned-process tests above; `_check_split` with rank 1's
+# plan for rank 0's (every rank's shapes are refused alike).
+
+
+def test_a_free_port_is_one_the_system_hands_out(monkeypatch):
+    from hetero_infer.parallel import runner
+
+    assert 1024 <= runner._free_port() < 65536  # an ephemeral port, never a fixed one
+    monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)  # python -c, Jupyter
+    runner._check_spawnable()  # no file to re-import: nothing to refuse
