@@ -382,7 +382,7 @@ def test_code_from_stdin_is_refused_at_once():
     assert time.monotonic() - t < 60
 
 
-# ---- two ranks as two threads of this process
+# ---- the ranks as threads of this process
 
 
 class ThreadGroup:
