@@ -1173,6 +1173,11 @@ def test_multi_turn_reports_round_two_from_the_engines_own_counts(tiny_path, mon
         monkeypatch, engine(tiny_path, num_blocks=64, enable_prefix_caching=False), **kw
     )
     assert (plain["device_hit_rate"], plain["host_hit_rate"]) == (0, 0)
+    on_device = engine(tiny_path, num_blocks=64)  # room for every conversation's prefix
+    cached, (before, _) = multi_turn_with_stats(monkeypatch, on_device, **kw)
+    pc0, pc1 = before["prefix_cache"], on_device.stats["prefix_cache"]
+    hits, queries = (pc1[k] - pc0[k] for k in ("cache_hits", "cache_queries"))
+    assert hits > 0 and cached["device_hit_rate"] == hits / queries
     assert plain["prefill_tokens"] == 3 * (24 + 6 + 8 + 6)  # round 2 prefills every token
     # the host tier: the device pool (14 blocks) holds one conversation, the host all three
     eng = engine(
@@ -1195,3 +1200,11 @@ def test_multi_turn_reports_round_two_from_the_engines_own_counts(tiny_path, mon
     assert m["tokens"] == plain["tokens"] and [len(t) for t in m["tokens"]] == [8, 8, 8]
     assert (m["seconds"], m["tokens_per_s"]) == (4, 24 / 4) == (plain["seconds"], 6)
     assert 0 < m["mean_ttft_s"] < 10  # the engine's own clock: real seconds
+
+
+# Equivalent mutants of kv_offload/bench.py: other seeds for the random prompts (`100 - i`,
+# `101 + i`, `randint(1, vocab)`, `randint(vocab)`), other default workload sizes (the notebook
+# passes its own), a longer `max_tokens` for the preempted request (it is timed to its second
+# token), `after_schedule(engine, None)` (the step's output is read only when a copy fails),
+# `max(queries, 2)` (round 2 always looks blocks up) and a default host hit count of 1 when the
+# engine has no host tier (the difference of two readings is 0 either way).

@@ -815,6 +815,9 @@ def test_shard_plan_splits_heads_features_and_vocabulary_or_names_what_it_cannot
 # - in `shard_plan`, `>` for `>=` where the ranks equal the KV heads (one head each either way);
 #   `dim=+1` for `dim=-1` on (rows, vocabulary) logits; an id outside a rank's rows looked up at
 #   row 1 instead of 0 (masked to zero either way).
+# - `register_sharder` storing None (sharders register at import, before any mutant is chosen),
+#   the config's tie redone by `load_shard` after `shard_model`, `c` not passed to a sharder that
+#   does not read it, and padding when the rows already fit (`<=`: zero rows of zeros).
 # `_worker_context` runs only in the spawned-process tests above; `_check_split` with rank 1's
 # plan for rank 0's (every rank's shapes are refused alike).
 
@@ -825,3 +828,39 @@ def test_a_free_port_is_one_the_system_hands_out(monkeypatch):
     assert 1024 <= runner._free_port() < 65536  # an ephemeral port, never a fixed one
     monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)  # python -c, Jupyter
     runner._check_spawnable()  # no file to re-import: nothing to refuse
+
+
+def test_a_shard_that_does_not_fit_is_refused_by_name(tmp_path):
+    "A shard of the wrong shape, a weight the checkpoint lacks, a block no way can split."
+    from safetensors.torch import load_file, save_file
+    from hetero_infer.parallel.shards import _place, _rows, load_shard, shard_mlp, shard_plan
+    from hetero_infer.model.loading import parse_config
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False))
+    with pytest.raises(ValueError, match=r"^weight 0.weight: shard of shape \(2, 4\), rank 1 "):
+        _place(m, "0.weight", torch.zeros(2, 4), 1, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"rank 1 expects \(3, 4\)$"):
+        _place(m, "0.weight", torch.zeros(2, 4), 1, torch.float32, "cpu")
+
+    class Slice:  # a safetensors slice: its shape, and rows on indexing
+        def __init__(self, t):
+            self.t = t
+
+        def get_shape(self):
+            return list(self.t.shape)
+
+        def __getitem__(self, s):
+            return self.t[s]
+
+    last = _rows(Slice(torch.ones(5, 8)), range(3, 6), 3)  # the last rank's rows, padded
+    assert last.tolist() == [[1.0] * 8] * 2 + [[0.0] * 8]
+    hf = _model(tmp_path, "llama")
+    c = parse_config(hf.config.to_dict())
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: no registered way to split a "):
+        shard_mlp(torch.nn.Identity(), c, shard_plan(c, 0, 2), None)
+    (f,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(f)
+    del tensors["model.norm.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks weight model\.norm\.weight$"):
+        load_shard(tmp_path, shard_plan(c, 0, 2), torch.float32, "cpu", None)
