@@ -488,6 +488,79 @@ def test_serve_tool_call_parser_flag():
         build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
 
 
+def test_constraint_flags_read_their_value_by_the_rule(tmp_path):
+    """`--choice A B PROMPT` with no other prompt: the last word is the prompt; other flags keep
+    their whole value; too few words, or a file that cannot be read, is refused naming the flag."""
+    from types import SimpleNamespace
+    from hetero_infer.cli.flags import UsageError
+    from hetero_infer.structured.cli import apply_constraint_flags
+
+    def apply(name, value, prompts=(), input=None):
+        args = SimpleNamespace(json_schema=None, regex=None, choice=None, grammar=None)
+        setattr(args, name, value)
+        args.prompts, args.input, kw = list(prompts), input, {}
+        apply_constraint_flags(args, kw)
+        return kw.get("structured_outputs"), args.prompts
+
+    so, prompts = apply("choice", ["yes", "no", "Is it?"])
+    assert (so.choice, prompts) == (["yes", "no"], ["Is it?"])
+    assert apply("choice", ["a", "Is it?"])[0].choice == ["a"]
+    assert apply("choice", ["a", "b", "c"], prompts=["p"])[0].choice == ["a", "b", "c"]
+    assert apply("choice", ["a", "b"], input="f.jsonl")[0].choice == ["a", "b"]
+    so, prompts = apply("regex", "[0-9]+")  # the prompt comes from elsewhere (stdin)
+    assert (so.regex, prompts) == ("[0-9]+", [])
+    with pytest.raises(UsageError) as e:
+        apply("choice", ["alone"])
+    assert str(e.value) == "--choice: give the choices, then the prompt (or prompts after them)"
+    with pytest.raises(UsageError) as e:
+        apply("grammar", str(tmp_path / "none.ebnf"), prompts=["p"])
+    assert (
+        str(e.value)
+        == f"--grammar: cannot read {str(tmp_path / 'none.ebnf')!r}: No such file or directory"
+    )
+    assert apply("regex", None)[0] is None  # no constraint flag: nothing
+
+
+def test_the_structured_flags_say_what_they_take():
+    "The help of each flag: its metavar and text (what `--help` prints)."
+    from hetero_infer.cli.flags import build_parser
+
+    (sub,) = [
+        a for a in build_parser()._actions if getattr(a, "choices", None) and "serve" in a.choices
+    ]
+
+    def flag(command, option):
+        (a,) = [a for a in sub.choices[command]._actions if option in a.option_strings]
+        return a.metavar, a.nargs, a.help
+
+    assert flag("generate", "--json-schema") == (
+        "FILE",
+        None,
+        "outputs are JSON valid under this schema file (default: none)",
+    )
+    assert flag("generate", "--regex") == (
+        "R",
+        None,
+        "outputs match this regular expression (default: none)",
+    )
+    assert flag("generate", "--choice") == (
+        "TEXT",
+        "+",
+        "outputs are one of these strings; with no prompt after them or --input, the "
+        "last is the prompt: --choice yes no 'Is it?' (default: none)",
+    )
+    assert flag("generate", "--grammar") == (
+        "FILE",
+        None,
+        "outputs follow this EBNF grammar file (default: none)",
+    )
+    metavar, _, text = flag("serve", "--tool-call-parser")
+    assert metavar is None and text.startswith("tool-call format parsed for tool_choice auto ")
+    assert text.endswith("<|python_tag|> is llama3_json, else none)")
+    with pytest.raises(SystemExit):  # at most one constraint
+        build_parser().parse_args(["generate", "--regex", "a", "--grammar", "g", "p"])
+
+
 # ---------------------------------------------------------------- what the mask must enforce
 
 
