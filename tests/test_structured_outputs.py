@@ -561,6 +561,10 @@ def test_the_structured_flags_say_what_they_take():
         build_parser().parse_args(["generate", "--regex", "a", "--grammar", "g", "p"])
 
 
+# Equivalent mutants of structured/cli.py: the spec file opened with the locale's encoding or
+# "UTF-8" (this machine's locale is UTF-8 already), and `default=None` left to argparse.
+
+
 # ---------------------------------------------------------------- what the mask must enforce
 
 
