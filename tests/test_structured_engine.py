@@ -370,3 +370,52 @@ def test_a_grammar_past_the_compile_limit_fails_its_request_alone(engine):
     assert "json: the grammar did not compile within 0 s" in outs["slow"].error
     assert outs["plain"].outputs[0].finish_reason == "length"
     assert engine.stats["structured_outputs"]["held"] == 0
+
+
+def test_the_plugin_counts_masked_rows_drops_failed_children_and_closes(model_dir):
+    """Stats from zero once the manager exists, one masked row per constrained token; a failed
+    step forgets the n > 1 children it planned (their parent stays); close stops the compiles."""
+    eng = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=8, max_model_len=128, seed=0))
+    plugin = next(p for p in eng.plugins if isinstance(p, StructuredOutputsPlugin))
+    plugin.close(eng)  # no manager yet: nothing to stop
+    try:
+        assert plugin.stats(eng) == {}
+        mgr = plugin.manager(eng)
+        zero = {"held": 0, "live": 0, "mask_seconds": 0.0, "masked_rows": 0}
+        assert plugin.stats(eng) == {"submitted": 0, "compiled": 0, "cache_hits": 0, **zero}
+        p = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="ab+"))
+        out = run(eng, {"r": ([BOS, 11], p)})["r"].outputs[0]
+        stats = plugin.stats(eng)
+        assert stats["masked_rows"] == len(out.token_ids) and 0.0 < stats["mask_seconds"] < 60
+        mgr.submit("parent", StructuredOutputsParams(choice=["a"])).result()
+        mgr.fork("parent", "child")
+        plugin.planned.add("child")
+        plugin.step_failed(eng, None)
+        assert "child" not in mgr and "parent" in mgr and not plugin.planned
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        mgr.cache.pool.submit(int)
+
+
+def test_a_held_grammar_waits_sixty_seconds_by_default(engine, monkeypatch):
+    "Past the default limit (60 s by the clock) a grammar still compiling fails its request."
+    from types import SimpleNamespace
+
+    from hetero_infer.structured import plugin as plugin_module
+    from hetero_infer.structured.plugin import HeldSequences
+
+    plugin = next(p for p in engine.plugins if isinstance(p, StructuredOutputsPlugin))
+    held, clock = HeldSequences(), [1000.0]
+    monkeypatch.setattr(plugin_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(plugin, "held", held)
+    slow = {"type": "object", "properties": {f"w{i}": {"type": "integer"} for i in range(43)}}
+    engine.add_request("slow", [BOS, 22], sampled(StructuredOutputsParams(json=slow)))
+    monkeypatch.setattr(plugin.mgr, "ready", lambda key: False)  # still compiling
+    clock[0] += 60.0
+    held.release(engine, plugin.mgr)
+    assert len(held) == 1  # at the limit: still waiting
+    clock[0] += 0.001
+    held.release(engine, plugin.mgr)
+    out = run(engine, {})["slow"]
+    assert out.error == "json: the grammar did not compile within 60 s (the limit)"

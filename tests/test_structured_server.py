@@ -534,3 +534,161 @@ def test_a_partial_tag_is_held_back_until_it_resolves():
     assert s.feed("x") == {"content": "<tool_x"}
     assert s.feed("<") == {}
     assert s.finish("length") == ({"content": "<"}, "length")
+
+
+# The request side in this process: chat messages for the template, the tool-call format guessed
+# from the template, the finished message, and the stream's deltas in the llama3_json format.
+def test_template_messages_turn_call_arguments_into_dicts():
+    from hetero_infer.structured.openai import template_messages
+
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    user = {"role": "user", "content": "hi", "tool_calls": [{"not": "a call"}]}
+    plain = {"role": "assistant", "content": "ok"}
+    given = {
+        "role": "assistant",
+        "tool_calls": [{**call, "function": {"name": "f", "arguments": {"b": 2}}}],
+    }
+    bare = {"role": "assistant", "tool_calls": [{"function": {"name": "g"}}]}
+    out = template_messages([user, plain, {"role": "assistant", "tool_calls": [call]}, given, bare])
+    assert out[:2] == [user, plain]
+    assert out[2]["tool_calls"] == [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]
+    assert out[3] == given
+    assert out[4]["tool_calls"][0]["function"] == {"name": "g", "arguments": {}}
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["add", {"function": None}, {"function": {"arguments": "{}"}}, {"function": {"name": 1}}],
+)
+def test_template_messages_refuse_a_call_without_a_named_function(call):
+    from hetero_infer.structured.openai import template_messages
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{}, call]}]
+    msgs[1]["tool_calls"][0] = {"function": {"name": "f", "arguments": "{}"}}
+    want = "messages[1].tool_calls[1]: must be {id, type, function: {name, arguments}}"
+    with pytest.raises(ValueError) as e:
+        template_messages(msgs)
+    assert str(e.value) == want
+
+
+def test_template_messages_refuse_arguments_that_are_not_json():
+    from hetero_infer.structured.openai import template_messages
+
+    msgs = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{a"}}]}]
+    with pytest.raises(ValueError) as e:
+        template_messages(msgs)
+    assert str(e.value) == "messages[0].tool_calls[0].function.arguments: not JSON text"
+
+
+@pytest.mark.parametrize(
+    "template, want",
+    [
+        (TEMPLATE, "hermes"),
+        ({"default": TEMPLATE}, "hermes"),  # named templates: any of them
+        ("{{ '<|python_tag|>' }}{{ messages }}", "llama3_json"),
+        ({"tool_use": "<|python_tag|>"}, "llama3_json"),
+        ("{{ messages }}", None),
+        (None, None),
+    ],
+)
+def test_tool_call_format_is_guessed_from_the_chat_template(template, want):
+    from types import SimpleNamespace
+
+    from hetero_infer.structured.openai import tool_call_format
+
+    assert tool_call_format(SimpleNamespace(chat_template=template)) == want
+    assert tool_call_format(SimpleNamespace(chat_template=template), "llama3_json") == "llama3_json"
+    assert tool_call_format(object()) is None
+
+
+HERMES_CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+ADD_CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+
+
+def test_chat_message_is_content_unless_the_choice_and_format_parse_calls():
+    from hetero_infer.structured.openai import chat_message
+
+    plain = {"role": "assistant", "content": HERMES_CALL}, "stop"
+    assert chat_message(HERMES_CALL, "stop", "none", "hermes") == plain
+    assert chat_message(HERMES_CALL, "stop", "auto", None) == plain
+    assert chat_message('{"a": 1}', "stop", "none", None) == (
+        {"role": "assistant", "content": '{"a": 1}'},
+        "stop",
+    )
+    message, reason = chat_message("So " + HERMES_CALL, "stop", "auto", "hermes")
+    assert reason == "tool_calls" and set(message) == {"role", "content", "tool_calls"}
+    assert message["role"] == "assistant" and message["content"] == "So"
+    assert [{k: c[k] for k in ("type", "function")} for c in message["tool_calls"]] == [ADD_CALL]
+
+
+def test_two_hermes_calls_in_one_delta_are_held_from_the_first():
+    from hetero_infer.structured.openai import ToolCallStream
+
+    s = ToolCallStream("auto", "hermes")
+    assert s.feed(HERMES_CALL + "\n" + HERMES_CALL.replace("1", "2")) == {} and s.held
+    delta, reason = s.finish("stop")
+    assert reason == "tool_calls" and "content" not in delta
+    args = [json.loads(c["function"]["arguments"]) for c in delta["tool_calls"]]
+    assert args == [{"a": 1}, {"a": 2}]
+
+
+LLAMA_CALL = '{"name": "add", "parameters": {"a": 1}}'
+
+
+@pytest.mark.parametrize("head", ["", "  ", "<|python_tag|>"])
+def test_a_llama3_json_call_is_held_from_its_first_character(head):
+    from hetero_infer.structured.openai import ToolCallStream
+
+    s = ToolCallStream("auto", "llama3_json")
+    assert s.feed(head) == {} and s.held == bool(head.strip())  # the tag begins a call
+    assert s.feed(LLAMA_CALL[:1]) == {} and s.held
+    assert s.feed(LLAMA_CALL[1:]) == {}
+    delta, reason = s.finish("stop")
+    assert reason == "tool_calls" and delta["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_llama3_json_text_is_streamed_as_it_comes():
+    from hetero_infer.structured.openai import ToolCallStream
+
+    s = ToolCallStream("auto", "llama3_json")
+    assert s.feed("<|py") == {}  # may still become the python tag
+    assert s.feed("x") == {"content": "<|pyx"}
+    assert s.feed(" {") == {"content": " {"}
+    assert s.finish("stop") == ({}, "stop")
+    s = ToolCallStream("auto", "llama3_json")
+    assert s.feed("Hi") == {"content": "Hi"}
+    assert s.finish("length") == ({}, "length")
+
+
+def test_the_extension_picks_a_stream_by_tool_choice_and_template():
+    from types import SimpleNamespace
+
+    from hetero_infer.structured.grammar import StructuredOutputsParams
+    from hetero_infer.structured.openai import RequestStructure, ToolCallStream
+
+    hermes, plain = SimpleNamespace(chat_template=TEMPLATE), SimpleNamespace(chat_template="")
+    guess, fixed = StructuredOutputsExtension(), StructuredOutputsExtension("llama3_json")
+    assert guess.chat_choice(RequestStructure(tool_choice="none"), hermes) is None
+    assert guess.chat_choice(RequestStructure(tool_choice="auto"), plain) is None
+    s = guess.chat_choice(RequestStructure(tool_choice="auto"), hermes)
+    assert isinstance(s, ToolCallStream) and (s.choice, s.fmt) == ("auto", "hermes")
+    s = fixed.chat_choice(RequestStructure(tool_choice="auto"), plain)
+    assert (s.choice, s.fmt) == ("auto", "llama3_json")
+    assert guess.chat_choice(RequestStructure(tool_choice="add"), plain).choice == "add"
+    assert guess.sampling_kwargs(RequestStructure()) == {}
+    params = StructuredOutputsParams(regex="a+")
+    assert guess.sampling_kwargs(RequestStructure(params)) == {"structured_outputs": params}
+
+
+# `make mutation MUTATION_MODULES=structured.openai`: the mutants these tests leave alive are
+# equivalent, no output can tell them apart:
+# - `tool_call_format`: "XXXX" for a missing template (neither holds a tag); a string template
+#   passed through `json.dumps` too (the tags are ASCII without quotes or backslashes: unchanged);
+# - `_overlap` trying one more character than the tag's length less one: `feed` finds a whole
+#   tag before it asks for the overlap, and a longer end cannot begin the tag;
+# - `feed` searching for the tag from 0 instead of from the text already sent: the held-back
+#   overlap keeps every possible start of a tag at or after `sent`;
+# - `finish` taking the message path for an unheld "auto" stream ("XXautoXX", "AUTO"): the rest
+#   holds no call (a call would have been held), so the message is the same content; and `sent`
+#   set to None at the end: nothing reads it after `finish`;
+# - `chat_choice` starting `fmt` at "" instead of None: only "auto" reads it, after setting it.
