@@ -417,5 +417,6 @@ def test_a_held_grammar_waits_sixty_seconds_by_default(engine, monkeypatch):
     assert len(held) == 1  # at the limit: still waiting
     clock[0] += 0.001
     held.release(engine, plugin.mgr)
+    assert len(held) == 0  # past it: failed
     out = run(engine, {})["slow"]
     assert out.error == "json: the grammar did not compile within 60 s (the limit)"
