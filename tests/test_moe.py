@@ -111,6 +111,17 @@ def test_loop_equals_grouped(T, E, k):
     torch.testing.assert_close(moe_grouped(*args), moe_loop(*args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T,E,k", [(1, 5, 1), (17, 16, 8)])
+def test_grouped_mm_equals_the_loop_and_gives_zeros_when_no_expert_is_held(T, E, k):
+    from hetero_infer.moe.layer import moe_grouped_mm
+
+    args = _random_moe(T, E, k, seed=T + E)
+    torch.testing.assert_close(moe_grouped_mm(*args), moe_loop(*args), atol=1e-5, rtol=1e-5)
+    x, gu, dn, w, ids = args
+    none_held = moe_grouped_mm(x, gu[:1], dn[:1], w, ids, first_expert=E)  # an expert past all
+    assert torch.equal(none_held, torch.zeros_like(x))
+
+
 def test_empty_batch():
     args = _random_moe(0, 4, 2)
     assert moe_grouped(*args).shape == (0, 40)

@@ -944,3 +944,167 @@ def test_tool_errors_say_what_is_expected():
     tools = [{"type": "function", "function": {"name": "g", "parameters": two}}]
     with pytest.raises(ValueError, match=r"unsupported schema keyword\(s\) /not, /multipleOf$"):
         constrained_params(tools, "required")
+
+
+# ---------------------------------------------------------------- oneOf: which branches overlap
+
+
+def tagged(tag, typed=True, required=True):
+    "An object branch whose `kind` is `tag` (a schema); untyped: it also admits non-objects."
+    s = {"properties": {"kind": tag}, "required": ["kind"] if required else []}
+    return {"type": "object", **s} if typed else s
+
+
+C = lambda v: {"const": v}  # noqa: E731
+T = lambda t: {"type": t}  # noqa: E731
+DISJOINT, OVERLAP = True, False
+ONE_OF_PAIRS = [
+    # the types a const or an enum implies
+    (C({"a": 1}), T("array"), DISJOINT),
+    (C({"a": 1}), T("object"), OVERLAP),
+    (C([1]), T("object"), DISJOINT),
+    (C([1]), T("array"), OVERLAP),
+    (C("s"), T("number"), DISJOINT),
+    (C("s"), T("string"), OVERLAP),
+    (C(True), T("number"), DISJOINT),
+    (C(True), T("boolean"), OVERLAP),
+    (C(1), T("string"), DISJOINT),
+    (C(1), T("integer"), OVERLAP),
+    (C(1.5), T("number"), OVERLAP),
+    (C(None), T("string"), DISJOINT),
+    (C(None), T("null"), OVERLAP),
+    (T("integer"), T("number"), OVERLAP),
+    (T(["string", "null"]), T("integer"), DISJOINT),
+    # values
+    (C("a"), C("b"), DISJOINT),
+    (C("a"), {"enum": ["a", "b"]}, OVERLAP),
+    ({"enum": ["a", "b"]}, {"enum": ["c"]}, DISJOINT),
+    (C("a"), T("string"), OVERLAP),
+    (C({"a": 1, "b": 2}), C({"b": 2, "a": 1}), OVERLAP),  # one value, keys in any order
+    # objects told apart by a required tag
+    (tagged(C("a")), tagged(C("b")), DISJOINT),
+    (tagged(C("a")), tagged(T("string")), OVERLAP),
+    (tagged(T("string")), tagged(C("a")), OVERLAP),
+    (tagged(C("a")), tagged(C("b"), required=False), OVERLAP),  # b may leave the tag out
+    (tagged(C("a")), tagged(C("b"), typed=False), DISJOINT),  # an untyped side is not an object:
+    (
+        tagged(C("a"), typed=False),
+        tagged(C("b")),
+        DISJOINT,
+    ),  # the typed side is, so the tag decides
+    (tagged(C("a"), typed=False), tagged(C("b"), typed=False), OVERLAP),  # both admit "x"
+    # through local references, JSON-pointer escapes and a lone allOf
+    ({"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}, DISJOINT),
+    ({"$ref": "#/$defs/a"}, {"$ref": "#/$defs/a2"}, OVERLAP),
+    ({"$ref": "#/$defs/x~1y"}, {"$ref": "#/$defs/t~0n"}, DISJOINT),
+    ({"allOf": [{"$ref": "#/$defs/a"}], "description": "A"}, {"$ref": "#/$defs/b"}, DISJOINT),
+    ({"allOf": [C("a")], "title": "A"}, C("b"), OVERLAP),  # allOf beside more: not unwrapped
+    (tagged({"$ref": "#/$defs/a"}), tagged({"$ref": "#/$defs/b"}), DISJOINT),
+    ({"$ref": "#/$defs/missing"}, C("b"), OVERLAP),  # unknown: any value
+    ({"$ref": "#/oneOf/0"}, C("b"), OVERLAP),  # a path through a list: unknown
+    ({"$ref": "#/$defs/loop"}, C("b"), OVERLAP),  # a cycle: unknown
+]
+DEFS = {"a": C("a"), "a2": {"enum": ["a"]}, "b": C("b"), "x/y": C(1), "t~n": C(2)}
+DEFS["loop"] = {"$ref": "#/$defs/loop"}
+
+
+@pytest.mark.parametrize("a, b, disjoint", ONE_OF_PAIRS)
+def test_one_of_branches_are_refused_unless_no_value_matches_both(a, b, disjoint):
+    from hetero_infer.structured.grammar import unsupported_schema_keywords
+
+    schema = {"oneOf": [a, b], "$defs": DEFS}
+    found = unsupported_schema_keywords(schema)
+    assert found == ([] if disjoint else ["/oneOf (branches 0 and 1 may both match)"])
+
+
+def test_a_choice_may_hold_any_character(mgr, tok):
+    "Characters past the Basic Multilingual Plane are one character, not two escaped halves."
+    stop = tok.convert_tokens_to_ids("<|eot_id|>")
+    mgr.submit("emoji", StructuredOutputsParams(choice=["ok 😀", "né"]))
+    try:
+        ids = tok.encode("ok 😀", add_special_tokens=False)
+        assert all(mgr.accept("emoji", t) for t in ids) and mgr.accept("emoji", stop)
+    finally:
+        mgr.drop("emoji")
+
+
+def test_rollback_of_nothing_forks_and_close(tok):
+    """Rolling back 0 tokens changes nothing; a fork has its parent's constraint; `close` cancels
+    queued compiles and returns without waiting for the running one."""
+    import threading
+
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    m = StructuredOutputsManager(tokenizer_info(tok, stop_token_ids=[eot]))
+    choice = StructuredOutputsParams(choice=["yes"])
+    m.submit("p", choice).result()
+    m.rollback("p", 0)
+    assert m.seqs["p"].tokens == []
+    m.fork("p", "c")
+    assert m.seqs["c"].params is choice
+    running, timer = threading.Event(), threading.Timer(30, lambda: release.set())
+    release = threading.Event()
+    m.cache.pool.submit(lambda: (running.set(), release.wait()))  # the one compile thread, busy
+    running.wait()
+    queued = m.submit("q", StructuredOutputsParams(regex="z+"))
+    timer.start()
+    m.close()
+    assert not release.is_set()  # returned at once, not after the running task
+    assert queued.cancelled()
+    release.set()
+    timer.cancel()
+
+
+@pytest.fixture(scope="module")
+def demo_info():
+    "xgrammar's view of the demo model's 297-token vocabulary (grammars compile in milliseconds)."
+    from transformers import AutoTokenizer
+
+    from hetero_infer.core.config import DEMO_MODEL_DIR
+
+    return tokenizer_info(AutoTokenizer.from_pretrained(DEMO_MODEL_DIR))
+
+
+def test_tokenizer_info_takes_the_logits_width_and_the_stop_tokens(tok):
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    info = tokenizer_info(tok, vocab_size=len(tok) + 44, stop_token_ids=[eot, 7])
+    assert (info.vocab_size, sorted(info.stop_token_ids)) == (len(tok) + 44, [7, eot])
+
+
+def test_one_named_compile_thread_by_default(demo_info):
+    "Grammars compile one at a time on a thread named for it, off the step's thread."
+    import threading
+
+    from hetero_infer.structured.grammar import CompileCache
+
+    cache = CompileCache(demo_info)
+    running, release, names = threading.Event(), threading.Event(), []
+
+    def busy():
+        names.append(threading.current_thread().name)
+        running.set()
+        release.wait(60)
+
+    cache.pool.submit(busy)
+    running.wait()
+    second = cache.compile_async(StructuredOutputsParams(regex="a+"))
+    try:
+        assert not second.running() and not second.done()  # waits for the one thread
+    finally:
+        release.set()
+    second.result(timeout=60)
+    cache.close()
+    assert names == ["grammar-compile_0"]
+
+
+def test_the_compile_cache_keeps_the_256_most_recent(demo_info):
+    from hetero_infer.structured.grammar import CompileCache
+
+    cache = CompileCache(demo_info)
+    first = cache.compile_async(StructuredOutputsParams(regex="a{1}"))
+    for n in range(2, 258):
+        cache.compile_async(StructuredOutputsParams(regex=f"a{{{n}}}"))
+    assert len(cache.futures) == 256
+    assert StructuredOutputsParams(regex="a{1}").key() not in cache.futures
+    assert StructuredOutputsParams(regex="a{2}").key() in cache.futures
+    assert first.result(timeout=60) is not None
+    cache.close()
