@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from hetero_infer.moe.layer import (
     MoEBlock,
+    MOE_METHODS,
     MoEConfig,
     expert_shard,
     is_moe_layer,
@@ -523,3 +524,137 @@ def test_each_rank_reads_its_part_of_a_checkpoint(family, ep, saved):
             parts.append(block(x))
     with torch.no_grad():
         torch.testing.assert_close(parts[0] + parts[1], full(x), rtol=1e-5, atol=1e-5)
+
+
+QWEN3 = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden_size=8)
+QWEN3["moe_intermediate_size"] = 6  # the least a config.json may say
+
+
+def test_a_config_json_may_leave_out_what_has_a_default():
+    "No hidden_act, sparse step, norm_topk_prob or shared expert: SiLU, every layer, False, none."
+    c = MoEConfig.from_hf(QWEN3)
+    assert (c.norm_topk_prob, c.shared_expert_intermediate_size) == (False, 0)
+    assert all(is_moe_layer(QWEN3, i) for i in range(4))
+    q2 = MoEConfig.from_hf({**QWEN3, "model_type": "qwen2_moe"})
+    assert q2.shared_expert_intermediate_size == 0
+    q2 = MoEConfig.from_hf(
+        {**QWEN3, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 0}
+    )
+    assert q2.shared_expert_intermediate_size == 0
+    other = MoEConfig.from_hf({**QWEN3, "shared_expert_intermediate_size": 16})
+    assert other.shared_expert_intermediate_size == 0  # only Qwen2-MoE has a shared expert
+
+
+def test_config_errors_say_the_field_and_the_family():
+    missing = {k: v for k, v in QWEN3.items() if k != "num_experts_per_tok"}
+    with pytest.raises(ValueError) as e:
+        MoEConfig.from_hf(missing)
+    assert str(e.value) == "config.json lacks 'num_experts_per_tok', which a qwen3_moe model needs"
+    with pytest.raises(ValueError) as e:
+        MoEConfig.from_hf({**QWEN3, "norm_topk_prob": "yes"})
+    assert str(e.value) == "norm_topk_prob must be true or false, got 'yes'"
+
+
+def test_which_layers_are_sparse():
+    mx = {"model_type": "mixtral", "num_local_experts": 4, "decoder_sparse_step": 2}
+    assert all(is_moe_layer(mx, i) for i in range(3))  # Mixtral: every layer, Qwen's fields aside
+    step3 = {**QWEN3, "decoder_sparse_step": 3}
+    assert [is_moe_layer(step3, i) for i in range(6)] == [False, False, True] * 2
+    assert is_moe_layer({**QWEN3, "num_experts": 1}, 0)
+    assert not is_moe_layer({**QWEN3, "num_experts": 0}, 0)
+    assert not is_moe_layer({"model_type": "qwen3_moe"}, 0)  # no experts named
+
+
+@pytest.mark.parametrize("form", [moe_loop, moe_grouped, "grouped_mm"])
+def test_bf16_activations_with_fp32_routing_weights(form):
+    "Mixtral's routing weights stay fp32, as in transformers; the output is in the input's dtype."
+    from hetero_infer.moe.layer import moe_grouped_mm
+
+    run = moe_grouped_mm if form == "grouped_mm" else form
+    x, gu, dn, w, ids = _random_moe(5, 6, 2, seed=3)
+    got = run(x.bfloat16(), gu.bfloat16(), dn.bfloat16(), w, ids)
+    assert got.dtype == torch.bfloat16
+    want = moe_loop(x, gu, dn, w, ids)
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
+
+
+def test_a_rank_reads_only_the_experts_it_holds(saved):
+    "Its slice of a per-expert checkpoint that lacks the others; a missing one is named."
+    model, tensors = saved["mixtral"]
+    cfg = MoEConfig.from_hf(model.config)
+    p = "model.layers.0.block_sparse_moe."
+    mine = {k: v for k, v in tensors.items() if ".experts." not in k or ".experts.4." in k}
+    mine.update({k: v for k, v in tensors.items() if ".experts.5." in k})
+    block = MoEBlock(cfg, experts=range(4, 6))
+    state = block.read_checkpoint(mine, "model.layers.0.mlp.")
+    assert state["experts.down_proj"].shape == (2, 64, 40)
+    assert torch.equal(state["experts.down_proj"][1], tensors[p + "experts.5.w2.weight"])
+    lacks = {k: v for k, v in mine.items() if ".experts.5." not in k}
+    names = [f"{p}experts.5.{w}.weight" for w in ("w1", "w3", "w2")]
+    with pytest.raises(ValueError) as e:
+        load_moe_weights(lacks, p, cfg, experts=range(4, 6))
+    assert (
+        str(e.value)
+        == f"checkpoint lacks MoE tensors {', '.join(names)} (the config says 6 experts)"
+    )
+    with pytest.raises(ValueError) as e:
+        load_moe_weights(lacks, p, cfg, experts=range(3, 6))
+    four = [f"{p}experts.3.{w}.weight" for w in ("w1", "w3", "w2")] + names
+    assert str(e.value) == (
+        f"checkpoint lacks MoE tensors {', '.join(four[:3])} ... (6 in all) "
+        "(the config says 6 experts)"
+    )
+
+
+def test_fused_expert_tensors_are_read_as_slices():
+    "`CheckpointSlices` asks the checkpoint for a slice of fused experts, the whole of the rest."
+    from hetero_infer.moe.layer import CheckpointSlices
+
+    class Asked(dict):
+        def get_slice(self, name):
+            return ("slice", name)
+
+    ckpt = CheckpointSlices(Asked(a=1))
+    assert ckpt["m.experts.gate_up_proj"] == ("slice", "m.experts.gate_up_proj")
+    assert ckpt["m.experts.down_proj"] == ("slice", "m.experts.down_proj")
+    assert ckpt["a"] == 1 and "a" in ckpt and "b" not in ckpt
+
+
+def test_config_bounds_are_inclusive_and_name_the_field():
+    c = MoEConfig(num_experts=1, top_k=1, hidden_size=1, intermediate_size=1)
+    assert (c.num_experts, c.top_k) == (1, 1)
+    assert MoEConfig(4, 4, 8, 4).top_k == 4  # every expert
+    with pytest.raises(ValueError, match=r"^hidden_size must be an integer >= 1, got 2\.5$"):
+        MoEConfig(4, 2, 2.5, 4)
+    with pytest.raises(ValueError, match=r"^num_experts must be an integer >= 1, got '4'$"):
+        MoEConfig("4", 2, 8, 4)
+    with pytest.raises(ValueError) as e:
+        MoEConfig(4, 2, 8, 4, shared_expert_intermediate_size=-1)
+    assert str(e.value) == "shared_expert_intermediate_size must be >= 0"
+
+
+def test_route_renormalises_by_default():
+    w, _ = route(torch.randn(3, 6), 2)
+    torch.testing.assert_close(w.sum(-1), torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "family, dtype", [("qwen3_moe", torch.bfloat16), ("mixtral", torch.float32)]
+)
+def test_block_routing_weights_dtype(family, dtype):
+    "Qwen's routing weights in the model dtype, Mixtral's kept in fp32 (as transformers does)."
+    block = MoEBlock(MoEConfig(4, 2, 8, 4, family=family)).bfloat16()
+    w, ids = block.route(torch.randn(3, 8, dtype=torch.bfloat16))
+    assert w.dtype == dtype and ids.shape == (3, 2)
+
+
+def test_what_each_method_means_where():
+    from hetero_infer.moe.layer import moe_method
+
+    assert moe_method("auto", "cpu", num_tokens=2) == "grouped_mm"
+    assert moe_method("loop", "cpu", num_tokens=5) == "loop"
+    assert moe_method("loop", "cuda", capability=(9, 0)) == "loop"
+    assert moe_method("loop", "cuda", capability=(7, 5)) == "loop"
+    with pytest.raises(ValueError) as e:
+        moe_method("fast", "cpu")
+    assert str(e.value) == f"method must be one of {MOE_METHODS}, got 'fast'"
