@@ -597,6 +597,9 @@ def test_a_rank_reads_only_the_experts_it_holds(saved):
         str(e.value)
         == f"checkpoint lacks MoE tensors {', '.join(names)} (the config says 6 experts)"
     )
+    no_w1 = {k: v for k, v in lacks.items() if not k.endswith("experts.4.w1.weight")}
+    with pytest.raises(ValueError, match=r"\.5\.w3\.weight \.\.\. \(4 in all\) \(the"):
+        load_moe_weights(no_w1, p, cfg, experts=range(4, 6))
     with pytest.raises(ValueError) as e:
         load_moe_weights(lacks, p, cfg, experts=range(3, 6))
     four = [f"{p}experts.3.{w}.weight" for w in ("w1", "w3", "w2")] + names
@@ -658,3 +661,19 @@ def test_what_each_method_means_where():
     with pytest.raises(ValueError) as e:
         moe_method("fast", "cpu")
     assert str(e.value) == f"method must be one of {MOE_METHODS}, got 'fast'"
+
+
+# `make mutation MUTATION_MODULES=moe.layer`: the mutants these tests leave alive are equivalent,
+# no output can tell them apart:
+# - `dim=+1` for `dim=-1` on 2-D tensors (the router's softmax, top-k and sum; `expert_mlp`'s and
+#   `moe_grouped_mm`'s chunks), and `topk` without `dim` (the last one by default);
+# - `bias=None` for `bias=False` in the router, the shared expert and its gate (both falsy);
+# - `sort_by_expert`'s `minlength=E + 2` (cut to E anyway), `_local_ids`' `local <= E` (E maps
+#   to E either way), and an unstable argsort (each expert gets the same pairs; only the order of
+#   the additions changes, which rounding alone can show);
+# - `_layer_rules` checking a missing `decoder_sparse_step` against a default of 2, not 1 (only
+#   checked there; `is_moe_layer` reads the field itself);
+# - `run_experts` asking `moe_method` without the step's token count: "grouped" for
+#   "grouped_mm", the same sums to rounding;
+# - `device=None` for `device=x.device` in `moe_grouped_mm` and `get_device_capability(None)`:
+#   the same device on a machine with one GPU or none.
