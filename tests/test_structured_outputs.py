@@ -1108,3 +1108,40 @@ def test_the_compile_cache_keeps_the_256_most_recent(demo_info):
     assert StructuredOutputsParams(regex="a{2}").key() in cache.futures
     assert first.result(timeout=60) is not None
     cache.close()
+
+
+@pytest.mark.parametrize(
+    "schema, found",
+    [
+        ({"properties": {"p": {"not": {}}}}, ["/properties/p/not"]),
+        ({"$defs": {"d": {"if": {}}}}, ["/$defs/d/if"]),
+        ({"items": {"uniqueItems": True}}, ["/items/uniqueItems"]),
+        ({"anyOf": [{}, {"multipleOf": 2}]}, ["/anyOf/1/multipleOf"]),
+        (
+            {"type": "string", "format": "email", "maxLength": 5},
+            ["/minLength or maxLength beside pattern or format"],
+        ),
+        ({"allOf": [{}, {}]}, ["/allOf (with more than one subschema)"]),
+        ({"oneOf": [C("a"), C("b"), C("b")]}, ["/oneOf (branches 1 and 2 may both match)"]),
+    ],
+)
+def test_unsupported_keywords_are_found_where_they_are(schema, found):
+    from hetero_infer.structured.grammar import unsupported_schema_keywords
+
+    assert unsupported_schema_keywords(schema) == found
+
+
+@pytest.mark.parametrize("where", ["properties", "items", "anyOf"])
+def test_nested_one_of_resolves_refs_from_the_root(where):
+    "A oneOf deep in the schema tells its branches apart through the root's $defs."
+    from hetero_infer.structured.grammar import unsupported_schema_keywords
+
+    def schema(b):
+        one = {"oneOf": [{"$ref": "#/$defs/a"}, {"$ref": f"#/$defs/{b}"}]}
+        nested = {"properties": {"p": one}, "items": one, "anyOf": [one]}[where]
+        return {where: nested, "$defs": DEFS}
+
+    assert unsupported_schema_keywords(schema("b")) == []
+    path = {"properties": "/properties/p", "items": "/items", "anyOf": "/anyOf/0"}[where]
+    want = [f"{path}/oneOf (branches 0 and 1 may both match)"]
+    assert unsupported_schema_keywords(schema("a2")) == want
