@@ -663,6 +663,37 @@ def test_what_each_method_means_where():
     assert str(e.value) == f"method must be one of {MOE_METHODS}, got 'fast'"
 
 
+def test_align_gives_the_int32_layout_the_compiled_kernel_takes():
+    "`sorted_ids` and `block_expert` are int32, as `FUSED_MOE_POINTERS` declares them."
+    from hetero_infer.moe.model import FUSED_MOE_POINTERS
+
+    s, be = align_block_size(torch.tensor([[3, 0], [0, 3]]), 5, 2)
+    assert (s.dtype, be.dtype) == (torch.int32, torch.int32)
+    assert FUSED_MOE_POINTERS["sorted_ids_ptr"] == FUSED_MOE_POINTERS["block_expert_ptr"] == "i32"
+
+
+def test_fused_moe_tiles_follow_the_pairs_per_expert_and_the_dtype():
+    from hetero_infer.moe.kernels import fused_moe_tiles
+
+    assert fused_moe_tiles(16 * 8, 8, torch.bfloat16) == (16, 64, 64)  # 16 pairs each: 16 rows
+    assert fused_moe_tiles(16 * 8 + 1, 8, torch.bfloat16) == (64, 64, 64)
+    assert fused_moe_tiles(8, 8, torch.float32) == (16, 64, 32)  # fp32: half as deep
+    assert fused_moe_tiles(8, 8) == (16, 64, 64)
+
+
+def test_checkpoint_architecture_before_and_after_the_model_is_known(tmp_path):
+    from types import SimpleNamespace
+
+    from hetero_infer.moe.model import checkpoint_architecture
+
+    assert checkpoint_architecture(SimpleNamespace(model=None)) is None
+    assert checkpoint_architecture(SimpleNamespace(model=str(tmp_path))) is None  # no config
+    (tmp_path / "config.json").write_text('{"architectures": ["MixtralForCausalLM"]}')
+    assert checkpoint_architecture(SimpleNamespace(model=str(tmp_path))) == "MixtralForCausalLM"
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_architecture(SimpleNamespace(model=str(tmp_path))) is None
+
+
 # `make mutation MUTATION_MODULES=moe.layer`: the mutants these tests leave alive are equivalent,
 # no output can tell them apart:
 # - `dim=+1` for `dim=-1` on 2-D tensors (the router's softmax, top-k and sum; `expert_mlp`'s and
