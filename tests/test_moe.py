@@ -694,6 +694,29 @@ def test_checkpoint_architecture_before_and_after_the_model_is_known(tmp_path):
     assert checkpoint_architecture(SimpleNamespace(model=str(tmp_path))) is None
 
 
+def test_all_to_all_counts_its_bytes_and_seconds(monkeypatch):
+    "Between two ranks (a stand-in exchange that gives back what it sends), under a scripted clock."
+    from types import SimpleNamespace
+
+    from hetero_infer.moe import parallel
+    from hetero_infer.parallel.shards import COMM_BYTES, COMM_SECONDS
+
+    def exchange(out, inp, out_split=None, in_split=None):
+        assert inp.dtype == out.dtype
+        out.copy_(inp)
+
+    ticks = iter([10.0, 10.25])
+    monkeypatch.setattr(parallel, "group_size", lambda: 2)
+    monkeypatch.setattr(parallel, "dist", SimpleNamespace(all_to_all_single=exchange))
+    monkeypatch.setattr(parallel, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setitem(COMM_BYTES, "all_to_all", 0)
+    monkeypatch.delitem(COMM_SECONDS, "all_to_all", raising=False)
+    x = torch.randn(5, 4)
+    out, recv = parallel.all_to_all(x, [2, 3])
+    assert torch.equal(out, x) and recv == [2, 3]
+    assert COMM_BYTES["all_to_all"] == 5 * 4 * 4 and COMM_SECONDS["all_to_all"] == 0.25
+
+
 # `make mutation MUTATION_MODULES=moe.layer`: the mutants these tests leave alive are equivalent,
 # no output can tell them apart:
 # - `dim=+1` for `dim=-1` on 2-D tensors (the router's softmax, top-k and sum; `expert_mlp`'s and
@@ -708,3 +731,17 @@ def test_checkpoint_architecture_before_and_after_the_model_is_known(tmp_path):
 #   "grouped_mm", the same sums to rounding;
 # - `device=None` for `device=x.device` in `moe_grouped_mm` and `get_device_capability(None)`:
 #   the same device on a machine with one GPU or none.
+
+
+# `make mutation MUTATION_MODULES="moe.kernels moe.model moe.parallel"`: what these tests leave
+# alive. Equivalent (no output can tell them apart):
+# - `align_block_size`: `local <= E` (E maps to E either way), `minlength=E + 2` (cut to E), an
+#   unstable argsort (each expert's block holds the same pairs);
+# - `fused_moe_specs` sizing its two row tiles at 9 and 8 * 17, or 8 and 9 * 17 or 8 * 18 pairs:
+#   the same two tiles (16 and 64 rows);
+# - `fused_moe` scaling by the routing weight in the gated launch instead of the down launch
+#   (`down` is linear), where a run under the interpreter reaches it;
+# - `all_to_all`'s counts tensor without `dtype=torch.int64` (Python ints make int64 already).
+# Only a GPU tells apart: the `device=` arguments of `align_block_size`, `fused_moe`'s compute
+# capability checks, and its `num_warps` and `DOT_PRECISION` (the interpreter ignores both; the
+# binaries are checked by tests/test_kernel_compile.py).
