@@ -1145,3 +1145,10 @@ def test_nested_one_of_resolves_refs_from_the_root(where):
     path = {"properties": "/properties/p", "items": "/items", "anyOf": "/anyOf/0"}[where]
     want = [f"{path}/oneOf (branches 0 and 1 may both match)"]
     assert unsupported_schema_keywords(schema("a2")) == want
+
+
+@pytest.mark.parametrize("value, got", [([1], "list"), ("[1]", "list"), ("3", "int")])
+def test_a_json_schema_that_is_not_an_object_says_what_it_is(value, got):
+    with pytest.raises(ValueError) as e:
+        StructuredOutputsParams(json=value)
+    assert str(e.value) == f"json: a JSON schema must be an object, got {got}"
