@@ -1152,3 +1152,44 @@ def test_a_json_schema_that_is_not_an_object_says_what_it_is(value, got):
     with pytest.raises(ValueError) as e:
         StructuredOutputsParams(json=value)
     assert str(e.value) == f"json: a JSON schema must be an object, got {got}"
+
+
+def test_dates_become_the_calendar_pattern_and_required_names_are_declared():
+    from hetero_infer.structured.grammar import DATE_PATTERN, calendar_dates, declared_required
+
+    day = {"type": "string", "format": "date"}
+    schema = {"type": "object", "properties": {"d": day}, "items": day, "anyOf": [day, True]}
+    want_day = {"type": "string", "pattern": DATE_PATTERN}
+    got = calendar_dates(schema)
+    want = {**schema, "properties": {"d": want_day}, "items": want_day, "anyOf": [want_day, True]}
+    assert got == want and schema["properties"]["d"] is day  # a copy
+    assert calendar_dates({"format": "date-time"}) == {"format": "date-time"}
+    assert re.fullmatch(DATE_PATTERN, "2024-02-29") and not re.fullmatch(DATE_PATTERN, "2023-02-29")
+    assert declared_required({"type": "object"}) == {"type": "object"}
+    assert declared_required({"required": ["a"], "additionalProperties": {"type": "integer"}}) == {
+        "required": ["a"],
+        "additionalProperties": {"type": "integer"},
+        "properties": {"a": {"type": "integer"}},
+    }
+
+
+def test_json_object_admits_any_object(mgr, tok):
+    "json_object is not strict: any keys, any values (a strict grammar would allow only {})."
+    stop = tok.convert_tokens_to_ids("<|eot_id|>")
+    mgr.submit("obj", StructuredOutputsParams(json_object=True))
+    try:
+        assert mgr.matcher("obj").accept_string('{"a": [1, {"b": null}]}')
+        assert mgr.accept("obj", stop)
+    finally:
+        mgr.drop("obj")
+
+
+def test_apply_bitmask_without_a_mask_and_on_too_wide_logits(mgr):
+    words = (mgr.vocab_size + 31) // 32
+    logits = torch.zeros(2, mgr.vocab_size)
+    assert apply_bitmask(mgr, logits, None, ["k", None]) is logits and not logits.any()
+    wide = torch.zeros(2, words * 32 + 1)
+    bitmask = torch.full((2, words), -1, dtype=torch.int32)
+    with pytest.raises(ValueError) as e:
+        apply_bitmask(mgr, wide, bitmask, ["k", None])
+    assert str(e.value) == f"logits: {words * 32 + 1} columns, the bitmask covers {mgr.vocab_size}"
