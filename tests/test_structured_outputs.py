@@ -1193,3 +1193,24 @@ def test_apply_bitmask_without_a_mask_and_on_too_wide_logits(mgr):
     with pytest.raises(ValueError) as e:
         apply_bitmask(mgr, wide, bitmask, ["k", None])
     assert str(e.value) == f"logits: {words * 32 + 1} columns, the bitmask covers {mgr.vocab_size}"
+
+
+def test_a_complete_output_allows_only_its_stop_tokens(tok):
+    "Once the grammar is complete the row allows the stop tokens alone, bit 31 of a word too."
+    from hetero_infer.structured.grammar import fill_row
+
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    stops = [eot, 31, 62, 63]  # bit 31 of word 0; bits 30 and 31 of word 1
+    m = StructuredOutputsManager(tokenizer_info(tok, stop_token_ids=stops))
+    try:
+        m.submit("s", StructuredOutputsParams(choice=["yes"])).result()
+        assert all(m.accept("s", t) for t in tok.encode("yes", add_special_tokens=False))
+        assert m.is_terminated("s") is False and m.matcher("s").is_completed()
+        m.accept("s", eot)
+        bitmask = torch.full((2, (m.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        fill_row(m, "s", bitmask, 1)
+        bits = (bitmask[1, :, None] >> torch.arange(32)) & 1
+        assert bits.reshape(-1).nonzero().flatten().tolist() == sorted(stops)
+        assert (bitmask[0] == -1).all()
+    finally:
+        m.close()
