@@ -1214,3 +1214,10 @@ def test_a_complete_output_allows_only_its_stop_tokens(tok):
         assert (bitmask[0] == -1).all()
     finally:
         m.close()
+
+
+def test_one_cache_key_for_a_schema_whatever_its_key_order():
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {}, "y": {}}})
+    b = StructuredOutputsParams(json={"properties": {"y": {}, "x": {}}, "type": "object"})
+    assert a.key() == b.key() and a.key()[0] == "json"
+    assert a.key() != StructuredOutputsParams(json={"type": "object"}).key()
