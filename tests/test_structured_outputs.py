@@ -1221,3 +1221,17 @@ def test_one_cache_key_for_a_schema_whatever_its_key_order():
     b = StructuredOutputsParams(json={"properties": {"y": {}, "x": {}}, "type": "object"})
     assert a.key() == b.key() and a.key()[0] == "json"
     assert a.key() != StructuredOutputsParams(json={"type": "object"}).key()
+
+
+def test_the_compile_cache_counts_compiles_and_hits(demo_info):
+    "A spec compiled once, then asked for again (done or not) is a hit; a new spec compiles."
+    from hetero_infer.structured.grammar import CompileCache
+
+    cache = CompileCache(demo_info)
+    a = StructuredOutputsParams(regex="a+")
+    first = cache.compile_async(a)
+    first.result(timeout=60)
+    assert cache.compile_async(a) is first and cache.compile_async(a) is first
+    cache.compile_async(StructuredOutputsParams(regex="b+")).result(timeout=60)
+    assert cache.stats == {"compiled": 2, "cache_hits": 2}
+    cache.close()
