@@ -1235,3 +1235,23 @@ def test_the_compile_cache_counts_compiles_and_hits(demo_info):
     cache.compile_async(StructuredOutputsParams(regex="b+")).result(timeout=60)
     assert cache.stats == {"compiled": 2, "cache_hits": 2}
     cache.close()
+
+
+# `make mutation MUTATION_MODULES=structured.grammar`: the mutants these tests leave alive are
+# equivalent, no output can tell them apart:
+# - `_resolve` following 17 references instead of 16 (only a chain exactly 17 long differs);
+#   `_disjoint` reading a missing tag as `None` instead of `{}` (`_resolve` maps both to `{}`);
+# - `choice_grammar` with `ensure_ascii=None` (falsy, as False is);
+# - `StructuredOutputsParams.key` with other separators (equal specs still give equal keys);
+# - `CompileCache`: `shutdown(wait=None)` (falsy); xgrammar's compiler without `max_threads=1`
+#   or with 2, or without `cache_limit_bytes` (the same grammars; only xgrammar's own threads and
+#   memory bound change);
+# - `json_schema_grammar` without `strict_mode`, and `compile_grammar`'s json_object grammar in
+#   strict mode: xgrammar gives `{"type": "object"}` the same grammar either way; `\x1F` for
+#   `\x1f` in a character class;
+# - `fill_row`'s bit-31 correction changed or applied to every bit: torch's in-place OR into an
+#   int32 word wraps a Python int modulo 2**32, so every variant sets the same bits;
+# - `apply_bitmask`: `shape[+1]` for `shape[-1]` of 2-D tensors; without `vocab_size` (the
+#   plugin builds the tokenizer info with the logits' width, so the two widths are equal) or
+#   `indices` (a row without a key is all ones in the mask: masking it changes nothing); and its
+#   `device`/`non_blocking` arguments, which only a GPU tells apart.
