@@ -1049,7 +1049,7 @@ def test_rollback_of_nothing_forks_and_close(tok):
     timer.start()
     m.close()
     assert not release.is_set()  # returned at once, not after the running task
-    assert queued.cancelled()
+    assert queued.cancelled() and m.stats["submitted"] == 2  # p and q; a fork is not submitted
     release.set()
     timer.cancel()
 
@@ -1237,10 +1237,27 @@ def test_the_compile_cache_counts_compiles_and_hits(demo_info):
     cache.close()
 
 
+def test_a_failed_compile_is_a_value_error_naming_the_kind(demo_info, monkeypatch):
+    "`ready` turns the compile's exception into a ValueError naming the constraint's kind."
+    from concurrent.futures import Future
+
+    m = StructuredOutputsManager(demo_info, max_workers=3, cache_size=5)
+    assert (m.cache.cache_size, m.cache.pool._max_workers) == (5, 3)
+    failed = Future()
+    failed.set_exception(RuntimeError("no such rule"))
+    monkeypatch.setattr(m.cache, "compile_async", lambda params: failed)
+    m.submit("s", StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError) as e:
+        m.ready("s")
+    assert str(e.value) == "regex: no such rule"
+    m.close()
+
+
 # `make mutation MUTATION_MODULES=structured.grammar`: the mutants these tests leave alive are
 # equivalent, no output can tell them apart:
 # - `_resolve` following 17 references instead of 16 (only a chain exactly 17 long differs);
 #   `_disjoint` reading a missing tag as `None` instead of `{}` (`_resolve` maps both to `{}`);
+#   `ref[2:]` for `ref[1:]` (a local pointer starts `#/`, and the empty first part is dropped);
 # - `choice_grammar` with `ensure_ascii=None` (falsy, as False is);
 # - `StructuredOutputsParams.key` with other separators (equal specs still give equal keys);
 # - `CompileCache`: `shutdown(wait=None)` (falsy); xgrammar's compiler without `max_threads=1`
@@ -1255,3 +1272,5 @@ def test_the_compile_cache_counts_compiles_and_hits(demo_info):
 #   plugin builds the tokenizer info with the logits' width, so the two widths are equal) or
 #   `indices` (a row without a key is all ones in the mask: masking it changes nothing); and its
 #   `device`/`non_blocking` arguments, which only a GPU tells apart.
+# `_check_spec` waiting for the front end without `CHECK_SECONDS` is a timeout, not a kill: the
+# test of a 5000-long bounded string then waits for xgrammar's slow regex front end.
