@@ -1260,9 +1260,9 @@ def test_a_failed_compile_is_a_value_error_naming_the_kind(demo_info, monkeypatc
 #   `ref[2:]` for `ref[1:]` (a local pointer starts `#/`, and the empty first part is dropped);
 # - `choice_grammar` with `ensure_ascii=None` (falsy, as False is);
 # - `StructuredOutputsParams.key` with other separators (equal specs still give equal keys);
-# - `CompileCache`: `shutdown(wait=None)` (falsy); xgrammar's compiler without `max_threads=1`
-#   or with 2, or without `cache_limit_bytes` (the same grammars; only xgrammar's own threads and
-#   memory bound change);
+# - `CompileCache`: `shutdown(wait=None)` and `popitem(last=None)` (falsy); xgrammar's compiler
+#   without `max_threads=1` or with 2, or without `cache_limit_bytes` (the same grammars; only
+#   xgrammar's own threads and memory bound change);
 # - `json_schema_grammar` without `strict_mode`, and `compile_grammar`'s json_object grammar in
 #   strict mode: xgrammar gives `{"type": "object"}` the same grammar either way; `\x1F` for
 #   `\x1f` in a character class;
