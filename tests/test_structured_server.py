@@ -563,8 +563,8 @@ def test_template_messages_turn_call_arguments_into_dicts():
 def test_template_messages_refuse_a_call_without_a_named_function(call):
     from hetero_infer.structured.openai import template_messages
 
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{}, call]}]
-    msgs[1]["tool_calls"][0] = {"function": {"name": "f", "arguments": "{}"}}
+    good = {"function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [good, call]}]
     want = "messages[1].tool_calls[1]: must be {id, type, function: {name, arguments}}"
     with pytest.raises(ValueError) as e:
         template_messages(msgs)
