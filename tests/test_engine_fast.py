@@ -514,6 +514,20 @@ def test_stop_token_sets_the_stop_reason(demo):
     assert (c.text, c.finish_reason, c.stop_reason) == ("d c b", "stop", 280)
 
 
+def test_a_stop_string_is_cut_at_its_start_or_kept_whole(demo):
+    "The text ends before the stop string, or with it when include_stop_str_in_output."
+    assert (reply(demo, stop=[" b"]).text, reply(demo, stop=["c b"]).text) == ("d c", "d ")
+    kept = reply(demo, stop=["c b"], include_stop_str_in_output=True)
+    assert (kept.text, kept.stop_reason) == ("d c b", "c b")
+
+
+def test_completions_carry_their_index_in_order(tiny_path):
+    (o,) = tiny(tiny_path).generate(
+        [P6], SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=3), use_tqdm=False
+    )
+    assert [c.index for c in o.outputs] == [0, 1, 2]
+
+
 def test_skip_special_tokens_false_keeps_eos_text(demo):
     assert (
         reply(demo, skip_special_tokens=False, include_stop_str_in_output=True).text
@@ -1015,3 +1029,18 @@ def test_vllm_constructor_arguments_are_taken_or_refused_by_name(tiny_path):
     ]:
         msg = _error(tiny, tiny_path, **kw)
         assert msg.startswith(name) and "not supported by hetero_infer" in msg
+
+
+def test_a_plugins_default_hooks_change_nothing():
+    "The base hooks hold no sequence, end none, pass logits through and report nothing."
+    from hetero_infer.engine.plugins import EnginePlugin
+
+    p, logits = EnginePlugin(), torch.zeros(2, 3)
+    assert EnginePlugin.create(EngineConfig()).__class__ is EnginePlugin and p.name == "plugin"
+    assert p.add_sequence(None, None) is False and p.check_stop(None, None, 1) is None
+    assert p.process_logits(None, logits, []) is logits and p.stats(None) == {}
+    assert p.verify(None, logits, []) is None and p.make_runner(None, None) is None
+
+
+# `make mutation` over chapter 07's `engine.request_state`: `append` starting from `hit = ""`
+# instead of None is equivalent (both are falsy, and a hit is a tuple).

@@ -103,3 +103,28 @@ def test_n_above_one_and_preemption(checkpoints):
     assert len(done["r0"].outputs) == 3
     for rid, ids in prompts.items():
         check(done[rid], ids, reference(hf, ids))
+
+
+def test_prompt_logprobs_carry_each_tokens_text_when_the_request_makes_text():
+    "With a tokenizer each scored prompt token names its text, as sampled logprobs do."
+    from hetero_infer.engine.llm import LLM
+
+    llm = LLM(**CPU, num_blocks=32)
+    tok = llm.get_tokenizer()
+    (out,) = llm.generate(
+        ["reverse: a b"], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
+    )
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(out.prompt_token_ids) > 3
+    decoded = [(t, lp.decoded_token) for step in plp[1:] for t, lp in step.items()]
+    assert decoded and all(d == tok.decode([t]) for t, d in decoded)
+    assert [plp[p][t].decoded_token for p, t in enumerate(out.prompt_token_ids) if p] == [
+        ":",
+        " a",
+        " b",
+    ]
+
+
+# `make mutation` over `engine.prompt_logprobs`: what these tests leave alive. Equivalent:
+# `scores_prompt` with `<=` (at num_computed == num_prompt an entry has one row and no target
+# either way). Only a GPU tells apart: the `device=` of the row and token index tensors.

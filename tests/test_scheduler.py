@@ -1112,3 +1112,13 @@ def test_a_single_completion_holds_no_seats_for_forks():
     assert (dict(sch.admission.members), sch.admission.forks_due) == ({"one": 1}, {})
     sch.add(two)
     assert sch.admission.forks_due == {"two": 1} and sch.num_admitted() == 3
+
+
+def test_a_scheduled_entry_asks_one_logits_row_only_when_it_reaches_the_end():
+    "num_logits defaults to 1 for a chunk that ends the sequence (it samples), else 0."
+    from hetero_infer.scheduler.output import ScheduledSeq
+
+    s = Sequence(0, "r", [1, 2, 3, 4, 5], 5)
+    assert [ScheduledSeq(s, n, list(range(n))).num_logits for n in (5, 4, 1)] == [1, 0, 0]
+    s.num_computed_tokens = 4
+    assert ScheduledSeq(s, 1, [9]).num_logits == 1 and ScheduledSeq(s, 1, [9], 3).num_logits == 3
