@@ -237,6 +237,16 @@ def test_inverse_cdf_equals_a_float64_running_sum(v, block, zeros, seed):
     assert got.tolist() == want.clamp_max(v - 1).tolist()
 
 
+@pytest.mark.parametrize("block", [1, 2, 3, 4, 8])
+def test_inverse_cdf_on_exact_boundaries_takes_the_token_after(block):
+    """A u whose target equals a running sum exactly (dyadic masses, no rounding) takes the next
+    token with mass: the first whose running sum passes the target, in any block layout."""
+    probs = torch.tensor([0.25, 0.0, 0.25, 0.0, 0.0, 0.25, 0.25, 0.0])
+    u = torch.tensor([0.0, 0.25, 0.5, 0.75, 0.875])
+    got = inverse_cdf(probs.expand(len(u), -1), u, block)
+    assert got.tolist() == [0, 2, 5, 6, 6]
+
+
 def test_a_row_with_nothing_allowed_still_gets_an_id_in_range():
     "All -inf (a grammar at a dead end): an id in range all the same, for the caller to refuse."
     x = torch.full((3, 1500), float("-inf"))
@@ -367,6 +377,30 @@ def test_penalty_counts_equal_the_from_scratch_computation(V, ops, seed, rows, p
         assert got == from_scratch(batch, V)
         for s in set(batch):
             s.append_token(ri(V))
+
+
+def test_penalty_counts_make_every_tensor_on_their_own_device():
+    """With another default device (meta), the counts still work on theirs (cpu): no tensor is
+    made on the default device, as none may be on a GPU. Growth, a reused row, a batch naming a
+    row twice and one leaving rows out all run."""
+    V = 7
+    a, b, c, d = (
+        seq([1, 2, 3], [4], 0, repetition_penalty=1.5),
+        seq([5], [], 1, repetition_penalty=1.5),
+        seq([6, 6], [1], 2, repetition_penalty=1.5),
+        seq([0], [0, 0], 3, repetition_penalty=1.5),
+    )
+    pc = PenaltyCounts(V, device="cpu", rows=1, pairs=1)
+    batches = [[a, b], [c, b, b], [c, d], [d]]
+    got = []
+    with torch.device("meta"):
+        for i, batch in enumerate(batches):
+            if i == 1:
+                a.status = SequenceStatus.FINISHED_STOPPED  # its row is reused
+            out = pc.pairs(pc.update(batch))
+            assert all(x.device.type == "cpu" for x in out)
+            got.append(sorted(zip(*(x.tolist() for x in out))))
+    assert got == [from_scratch(batch, V) for batch in batches]
 
 
 def test_penalty_counts_read_only_new_tokens():
@@ -919,3 +953,57 @@ def test_penalty_counts_grow_when_every_row_is_taken():
     assert len(pc.owner) == 2 and tuple(pc.seen.pair_of.shape) == (2, 6)
     got = sorted(zip(*(t.tolist() for t in pc.pairs(rows))))
     assert got == [(0, 1, 0.0), (0, 2, 1.0), (1, 3, 0.0), (1, 4, 2.0)]
+
+
+def test_the_sampler_makes_every_tensor_on_the_logits_device():
+    """With another default device (meta), sampling cpu logits gives what it gives without one:
+    every tensor of every path (greedy and drawn rows, seeded and shared generators, filters,
+    penalties, bias, bans, logprobs, a vocabulary of several search blocks) is made on the
+    logits' device, as on a GPU it must be."""
+    V = 2500
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, seed=1, logprobs=3),
+        dict(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, seed=2),
+        dict(temperature=0.7, frequency_penalty=0.4, logit_bias={7: 5.0}, min_tokens=4),
+        dict(temperature=1.2, logprobs=0),  # the shared generator
+    ]
+    seqs = [seq([3, 9, 7], [7, 7], seq_id=i, **kw) for i, kw in enumerate(kinds)]
+    logits = torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(0))
+    want = Sampler(eos_token_ids=[7])(logits, seqs)
+    sampler = Sampler(eos_token_ids=[7])
+    with torch.device("meta"):
+        got = sampler(logits, seqs)
+        greedy = sampler(logits[:1], seqs[:1])
+    assert (got.token_ids, got.logprobs, got.top_logprobs) == (
+        want.token_ids,
+        want.logprobs,
+        want.top_logprobs,
+    )
+    assert greedy.token_ids == want.token_ids[:1]
+
+
+def test_a_ban_that_would_leave_a_row_nothing_is_lifted_on_that_row_only():
+    "eos below min_tokens is banned, unless it is all a row allows (a grammar's last word)."
+    logits = torch.tensor([[-math.inf, -math.inf, 3.0, -math.inf], [1.0, -math.inf, 3.0, 2.0]])
+    seqs = [seq([1], seq_id=i, temperature=0, min_tokens=5) for i in range(2)]
+    out = Sampler(eos_token_ids=[2])(logits, seqs)
+    assert out.token_ids == [2, 3] and out.logprobs[0] == 0.0
+
+
+# `make mutation` over chapter 06's modules: what these tests leave alive. Equivalent (no output
+# can tell them apart):
+# - a dimension written +1 for -1 (or the reverse) on a 2-D tensor;
+# - `inverse_cdf`: another block size, an empty last block (`full <= V`), a clamp that allows past
+#   the last block, padding columns of the last block counted as mass or as the last token, and
+#   the `last` fallback's variants: a target below the row's sum never reaches any of them (they
+#   guard a rounding overshoot and an all-zero row, which is refused after);
+# - `_ban` writing -INF for -inf, or testing `.all(+1)` for `.all(-1)`;
+# - `topk` where `sort` was (K >= V takes every column in order either way), `dtype=torch.long`
+#   left out where the values are Python ints (int64 already);
+# - `PenaltyCounts`/`SeenPairs`: another unseen or unsynced marker (-2 for -1, 1 for 0: every test
+#   is `< 0` or overwritten before use), growing by 3x or to a larger buffer, skipping the fast
+#   lookup (`bool(None)`, `b > 0`: the general path gives the same pairs), fewer free rows
+#   (`range(..., -2)`: more growth), the capacity argument left at its default;
+# - `seen_tokens`'s `.to(None)` and default-device tensors: it builds on the default device by
+#   design and moves its result, which is the reference the fast path is tested against.
