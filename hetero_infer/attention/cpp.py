@@ -20,6 +20,7 @@ from .torch_ref import bucket_keys, bucketed_attention, plan_attention
 
 # %% auto #0
 __all__ = [
+    "CPP_PREFETCH_SOURCE",
     "CPP_DECODE_SOURCE",
     "CPP_FLAGS",
     "CPP_LINK_FLAGS",
@@ -27,13 +28,14 @@ __all__ = [
     "kernel_cache_dir",
     "cached_library_ok",
     "build_shared_library",
+    "decode_function",
     "cpp_decode_op",
     "cpp_paged_decode_attention",
     "CppAttentionBackend",
 ]
 
 # %% ../../nbs/03a_cpu_attention.ipynb #53610358
-CPP_DECODE_SOURCE = r"""
+CPP_PREFETCH_SOURCE = r"""
 #include <ATen/Parallel.h>  // torch's intra-op pool: the kernel runs on the threads torch has
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -42,13 +44,29 @@ CPP_DECODE_SOURCE = r"""
 #include <cstdint>
 #include <vector>
 
+constexpr int64_t kAheadBlocks = 2;  // how many blocks ahead of its use a position is prefetched
+
+template <typename T>  // every cache line of position p's row (all its KV heads, contiguous)
+static inline void prefetch_row(const T* cache, const int* tab, int64_t p, int64_t bs,
+                                int64_t row) {
+  const char* x = (const char*)(cache + (int64_t(tab[p / bs]) * bs + p % bs) * row);
+  for (int64_t o = 0; o < row * int64_t(sizeof(T)); o += 64) __builtin_prefetch(x + o);
+}
+"""
+
+# %% ../../nbs/03a_cpu_attention.ipynb #53610358
+CPP_DECODE_SOURCE = (
+    CPP_PREFETCH_SOURCE
+    + r"""
 template <typename T, int64_t DC>  // DC: the head size as a constant, or 0 to read `dim`
 static void decode(const T* q, const T* kc, const T* vc, const int* bt, const int* lens, T* out,
                    int64_t S, int64_t Hq, int64_t Hkv, int64_t bs, int64_t M, int64_t dim,
                    float scale, int64_t window) {
   // one sequence per work item, all its heads in one pass over its blocks: each block (bs
-  // positions x Hkv heads x D, contiguous) is visited once, and the next one is prefetched
+  // positions x Hkv heads x D, contiguous) is visited once; each position's row is prefetched
+  // `kAheadBlocks` blocks before it is read
   const int64_t D = DC ? DC : dim, g = Hq / Hkv, row = Hkv * D;
+  const int64_t ahead = kAheadBlocks * bs;  // positions
   at::parallel_for(0, S, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(Hq * D), acc(Hq * D), sum(Hq), sc;
     for (int64_t s = lo; s < hi; ++s) {
@@ -59,7 +77,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int* bt, const in
       sc.resize(Hq * n);
       for (int64_t j = 0; j < Hq * D; ++j) qf[j] = float(q[s * Hq * D + j]) * scale;
       for (int64_t p = start; p < L; ++p) {  // scores: q . k of every key, read in place
-        if (p % bs == 0 && p + bs < L) __builtin_prefetch(kc + int64_t(tab[p / bs + 1]) * bs * row);
+        if (ahead && p + ahead < L) prefetch_row(kc, tab, p + ahead, bs, row);
         const T* k = kc + (int64_t(tab[p / bs]) * bs + p % bs) * row;
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t j = 0; j < g; ++j) {
@@ -82,7 +100,7 @@ static void decode(const T* q, const T* kc, const T* vc, const int* bt, const in
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = start; p < L; ++p) {  // weights times values
-        if (p % bs == 0 && p + bs < L) __builtin_prefetch(vc + int64_t(tab[p / bs + 1]) * bs * row);
+        if (ahead && p + ahead < L) prefetch_row(vc, tab, p + ahead, bs, row);
         const T* v = vc + (int64_t(tab[p / bs]) * bs + p % bs) * row;
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t j = 0; j < g; ++j) {
@@ -129,6 +147,7 @@ extern "C" int hi_paged_decode(int dtype, const void* q, const void* kc, const v
   return 1;
 }
 """
+)
 
 # %% ../../nbs/03a_cpu_attention.ipynb #9dddd038
 CPP_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]  # vector sums, exp
@@ -190,6 +209,15 @@ def build_shared_library(name: str, source: str, flags: list[str], link_flags: l
 
 
 # %% ../../nbs/03a_cpu_attention.ipynb #09dd808b
+def decode_function(lib: Path):
+    "The kernel's `hi_paged_decode` in compiled library `lib`, typed for `ctypes`."
+    fn = ctypes.CDLL(str(lib)).hi_paged_decode
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+    fn.argtypes += [ctypes.c_float, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def cpp_decode_op():
     "The compiled paged-decode function (built on first call, then cached on disk), or None."
     if not _cpp:
@@ -199,11 +227,7 @@ def cpp_decode_op():
             path = build_shared_library(
                 "paged_decode", CPP_DECODE_SOURCE, CPP_FLAGS, CPP_LINK_FLAGS
             )
-            fn = ctypes.CDLL(str(path)).hi_paged_decode
-            fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
-            fn.argtypes += [ctypes.c_float, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-            _cpp["op"], _cpp["seconds"] = fn, time.perf_counter() - t
+            _cpp["op"], _cpp["seconds"] = decode_function(path), time.perf_counter() - t
             _log.info(f"C++ paged-decode kernel ready in {_cpp['seconds']:.1f} s")
         except Exception as e:  # no compiler, no headers: the bucketed path serves instead
             _cpp["error"] = f"{type(e).__name__}: {str(e)[:300]}"
