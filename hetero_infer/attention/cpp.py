@@ -54,7 +54,7 @@ static inline void prefetch_row(const T* cache, const int* tab, int64_t p, int64
 }
 """
 
-# %% ../../nbs/03a_cpu_attention.ipynb #53610358
+# %% ../../nbs/03a_cpu_attention.ipynb #436f13d9
 CPP_DECODE_SOURCE = (
     CPP_PREFETCH_SOURCE
     + r"""
