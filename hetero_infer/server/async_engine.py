@@ -18,6 +18,7 @@ from ..engine.plugins import EngineDeadError
 
 # %% auto #0
 __all__ = [
+    "ADMITTERS",
     "ServerOverloaded",
     "ServerDraining",
     "RequestTimeout",
@@ -60,10 +61,14 @@ class StepFailed(RuntimeError):
 
 # %% ../../nbs/09_server.ipynb #08326482
 _ENGINE_THREAD = "hetero-infer-engine"
+ADMITTERS = 16  # admissions in flight at once: a burst reaches the engine between two steps
 
 
 class EngineThread:
-    "An engine and the one thread that touches it: steps, admissions, aborts, a stats snapshot."
+    """An engine and the one thread that touches it: steps, admissions, aborts, a stats snapshot.
+    An engine that takes calls from two threads at once (`pipelined`, as `EngineProcess` below)
+    gets its admissions (`ADMITTERS` at once) and its tokenizer calls on threads of their own,
+    beside a step in flight: a pipelined engine's tokenizer is a copy in this process."""
 
     def __init__(
         self,
@@ -72,7 +77,7 @@ class EngineThread:
         timeline_len: int = 10_000,  # steps kept in `timeline` (for plots)
     ):
         self.engine, self.max_queued_requests = engine, max_queued_requests
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=_ENGINE_THREAD)
+        self._start_threads()
         self.snapshot = dict(engine.stats) if engine is not None else {}  # after the last step
         self.timeline: list[tuple[float, int, int, int]] = []  # (time, running, waiting, tokens)
         self.timeline_len, self.last_batched = timeline_len, 0
@@ -80,6 +85,25 @@ class EngineThread:
     async def run(self, fn, *args):
         "Run `fn(*args)` on the engine's worker thread (after any step already queued there)."
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def _start_threads(self) -> None:
+        "The engine's thread; for a `pipelined` engine, its admissions' and its tokenizer's too."
+        name = _ENGINE_THREAD
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.admissions = ThreadPoolExecutor(ADMITTERS, thread_name_prefix=name + "-admit")
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix=name + "-tokenize")
+
+    async def admit(self, fn, *args):
+        "Admit with `fn(*args)`: beside a step in flight if the engine is `pipelined`, else after."
+        return await self._beside(self.admissions, fn, *args)
+
+    async def tokenize(self, fn, *args):
+        "Tokenize by `fn(*args)`: beside a step in flight if the engine is `pipelined`, else after."
+        return await self._beside(self.tokenizing, fn, *args)
+
+    async def _beside(self, pool: ThreadPoolExecutor, fn, *args):
+        pool = pool if getattr(self.engine, "pipelined", False) else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def step(self) -> tuple[list[RequestOutput], bool]:
         "One engine step; returns its outputs and whether work remains."
@@ -120,8 +144,9 @@ class EngineThread:
 
     def restart(self) -> None:
         "Wait for the worker thread's calls, then start a fresh thread (the engine may run again)."
-        self.pool.shutdown(wait=True)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=_ENGINE_THREAD)
+        for pool in (self.pool, self.admissions, self.tokenizing):
+            pool.shutdown(wait=True)
+        self._start_threads()
 
 
 # %% ../../nbs/09_server.ipynb #17582754
@@ -307,7 +332,7 @@ class AsyncLLMEngine(EngineLoop):
         rid = request_id or f"req-{next(self.ids)}-{uuid.uuid4().hex[:8]}"
         self.streams.open(rid)
         try:
-            await self.run(self.add, rid, list(prompt_token_ids), params)
+            await self.admit(self.add, rid, list(prompt_token_ids), params)
         except EngineDeadError as e:  # the engine's process died while the loop was idle
             self.streams.close(rid)
             self.die(str(e))

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -220,7 +221,10 @@ class OutputRebuilder:
 
 # %% ../../nbs/09_server.ipynb #0f3b1a08
 class EngineProcess:
-    "An `LLMEngine` in a child process, seen through the calls the server makes; one at a time."
+    """An `LLMEngine` in a child process, seen through the calls the server makes. Two threads may
+    call at once (a step and an admission): the answers come back in the order the calls went."""
+
+    pipelined = True  # `EngineThread` admits requests beside a step in flight
 
     def __init__(self, config: EngineConfig | None = None, wait: bool = True):
         "Start the child (forked where `fork_safe`); `wait`: until its engine is built (`ready`)."
@@ -238,31 +242,48 @@ class EngineProcess:
             self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
         theirs.close()
         self.conn, self.outputs = Connection(ours.detach()), OutputRebuilder()
-        self.conn.send(config or EngineConfig())
+        self.sending, self.reading = threading.Lock(), threading.Lock()
+        self.asked, self.answered, self.answers = 0, 0, {}  # calls sent, answers read, unclaimed
+        self._send(config or EngineConfig())  # call 0: build the engine
         if wait:
             self.ready()
 
     def ready(self) -> EngineProcess:
         "Wait until the child has built its engine (raises what building raised); self."
-        self.config, self.tokenizer = self._reply()
+        self.config, self.tokenizer = self._answer(0)
         return self
 
-    def _reply(self):
-        "The answer to the last call; raises what the engine raised, or `EngineDeadError`."
-        try:
-            kind, value, self.stats, self.unfinished = self.conn.recv()
-        except (EOFError, OSError):
-            raise self._dead() from None
+    def _send(self, message) -> int:
+        "Send one call; its number, by which `_answer` claims its answer."
+        with self.sending:
+            try:
+                self.conn.send(message)
+            except OSError:
+                raise self._dead() from None
+            self.asked += 1
+            return self.asked - 1
+
+    def _answer(self, number: int):
+        """The answer to call `number`; raises what the engine raised, or `EngineDeadError`. A
+        caller whose answer has not come reads the next one off the pipe, and keeps it for its
+        owner if it is another's; the newest answer's stats are the engine's."""
+        while number not in self.answers:
+            with self.reading:
+                if number in self.answers:
+                    break
+                try:
+                    kind, value, self.stats, self.unfinished = self.conn.recv()
+                except (EOFError, OSError):
+                    raise self._dead() from None
+                self.answers[self.answered] = kind, value
+                self.answered += 1
+        kind, value = self.answers.pop(number)
         if kind == "error":
             raise value
         return value
 
     def _call(self, call: str, *args):
-        try:
-            self.conn.send((call, args))
-        except OSError:
-            raise self._dead() from None
-        return self._reply()
+        return self._answer(self._send((call, args)))
 
     def _dead(self) -> EngineDeadError:
         return EngineDeadError(f"the engine's process exited (exit code {self.proc.wait()})")
@@ -287,7 +308,8 @@ class EngineProcess:
         "Ask the process to close its engine and exit; kill it after `timeout` s."
         if self.proc.poll() is None:
             try:
-                self.conn.send(("close", ()))
+                with self.sending:
+                    self.conn.send(("close", ()))
                 self.proc.wait(timeout)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()

@@ -174,9 +174,9 @@ class OpenAIHandlers:
             raise error_from(e) from None
 
     async def encode(self, fn, *args) -> list[int]:
-        "Run a tokenizing `fn(*args)` on the engine thread; its ValueError is the client's 400."
+        "Run a tokenizing `fn(*args)` (see `EngineThread.tokenize`); a ValueError is a 400."
         try:
-            return await self.aeng.run(fn, *args)
+            return await self.aeng.tokenize(fn, *args)
         except ValueError as e:
             raise error_from(e) from None
 
@@ -257,7 +257,7 @@ async def handle_completions(h: OpenAIHandlers, req: CompletionRequest, raw):
     echo = [""] * len(prompts)
     if req.echo:
         decode = tok.decode if tok is not None else (lambda ids: "")
-        echo = [p if isinstance(p, str) else await h.aeng.run(decode, p) for p in prompts]
+        echo = [p if isinstance(p, str) else await h.aeng.tokenize(decode, p) for p in prompts]
     rids = await h.admit(ids, params)
     head = _head("text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), h.name)
     if req.stream:
