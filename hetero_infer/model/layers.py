@@ -289,8 +289,8 @@ def can_pack(dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linears(model: nn.Module, min_weights: int = PACK_MIN_WEIGHTS) -> int:
-    "Swap the CPU model's big projections (`PACKED_LINEARS`) for `PackedLinear`s; how many."
+def pack_linears(model: nn.Module, min_weights: int = PACK_MIN_WEIGHTS, make=PackedLinear) -> int:
+    "Swap the CPU model's big projections (`PACKED_LINEARS`) for `make(layer)`s; how many."
     n = 0
     for mod in list(model.modules()):
         for name, child in list(mod.named_children()):
@@ -302,6 +302,6 @@ def pack_linears(model: nn.Module, min_weights: int = PACK_MIN_WEIGHTS) -> int:
                 and w.numel() >= min_weights
                 and can_pack(w.dtype)
             ):
-                setattr(mod, name, PackedLinear(child))
+                setattr(mod, name, make(child))
                 n += 1
     return n
