@@ -16,9 +16,9 @@ from .engine.llm_engine import LLMEngine  # noqa: E402, F401
 from .structured.grammar import StructuredOutputsParams  # noqa: E402, F401
 
 # the later chapters plug into the engine, the server and the CLI when imported, in book order
+import hetero_infer.model.cpu_gemm  # noqa: E402, F401
 import hetero_infer.bench.main  # noqa: E402, F401
 import hetero_infer.bench.threads  # noqa: E402, F401
-import hetero_infer.bench.wide  # noqa: E402, F401
 import hetero_infer.spec_decode.speculator  # noqa: E402, F401
 import hetero_infer.parallel.runner  # noqa: E402, F401
 import hetero_infer.structured.plugin  # noqa: E402, F401
