@@ -210,7 +210,7 @@ def decode_floor(model, batch: int, context: int, bandwidth: float) -> float:
 def decode_flops(model, batch: int, context: int) -> float:
     "FLOPs of one decode step: 2 x matmul parameters per sequence, plus attention over its context."
     c = model.config
-    mm = sum(p.numel() for p in step_weights(model) if p.dim() == 2)
+    mm = sum(p.numel() for p in step_weights(model) if p.dim() >= 2)  # packed ones have 4
     return batch * (2 * mm + 2 * 2 * c.num_layers * c.num_heads * c.head_dim * context)
 
 
@@ -224,7 +224,7 @@ def roofline_floor(model, batch: int, context: int, bandwidth: float, flops: flo
 def prefill_flops(model, tokens: int) -> float:
     "FLOPs of prefilling `tokens` prompt tokens: 2 x matmul parameters x tokens, plus attention."
     c = model.config
-    mm = sum(p.numel() for p in step_weights(model) if p.dim() == 2)
+    mm = sum(p.numel() for p in step_weights(model) if p.dim() >= 2)  # packed ones have 4
     attn = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
     return 2 * mm * tokens + attn
 
