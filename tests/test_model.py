@@ -536,3 +536,24 @@ def test_with_block_manager_fork_and_prefix_cache(tmp_path):
     bm.allocate(again)
     assert again.num_computed_tokens == 4  # the first full block came from the prefix cache
     run([(again, 4)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocked_cpu_kernel_matches_hf(tmp_path, dtype):
+    "Projections big enough for 05a's CPU kernel: fp32 logits and greedy picks as HF's, bf16 close."
+    from hetero_infer.model.cpu_gemm import BlockedLinear, cpu_gemm_op
+    from hetero_infer.model.layers import pack_linears
+
+    if cpu_gemm_op(torch.float32) is None:
+        pytest.skip(f"the kernel cannot run here: {cpu_gemm_op.__module__} says why in its log")
+    big = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, vocab_size=1024)
+    hf = tiny_hf_checkpoint(tmp_path, "qwen2", **big).to(getattr(torch, dtype))
+    m = load_model(tmp_path, dtype)
+    assert pack_linears(m, make=BlockedLinear) == 4 * 2 + 1  # every projection and the lm_head
+    ids = rand_ids(12)
+    ours, ref = paged_logits(m, ids, 8).float(), hf_logits(hf, ids).float()
+    if dtype == "float32":
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    else:
+        assert (ours - ref).abs().max() < 0.1 * ref.abs().max()

@@ -20,20 +20,22 @@ from .runner import register_runner_setup
 
 # %% auto #0
 __all__ = [
-    "BF16_GEMM_SOURCE",
+    "GEMM_BLOCKS_SOURCE",
+    "CPU_GEMM_SOURCE",
     "GEMM_COLS",
+    "GEMM_DTYPES",
     "CPU_GEMM_ENV",
-    "WIDEN_MIN_GAIN",
-    "pack_bf16_weight",
-    "bf16_gemm_op",
-    "bf16_gemm",
-    "WidenedLinear",
-    "widening_gain",
-    "widened_bf16_setup",
+    "KERNEL_MIN_GAIN",
+    "pack_weight",
+    "cpu_gemm_op",
+    "cpu_gemm",
+    "BlockedLinear",
+    "kernel_gain",
+    "cpu_gemm_setup",
 ]
 
 # %% ../../nbs/05a_cpu_gemm.ipynb #5a10c0de
-BF16_GEMM_SOURCE = r"""
+GEMM_BLOCKS_SOURCE = r"""
 #include <ATen/Parallel.h>  // torch's intra-op pool: the kernel runs on the threads torch has
 #include <algorithm>
 #include <cstdint>
@@ -55,12 +57,12 @@ static inline __m256i to_bf16(__m512 v) {  // round to nearest even; NaN stays a
   return _mm512_cvtepi32_epi16(r);
 }
 
-// R rows of x (fp32, `K` wide, even) times one block of w: per pair of k, 32 columns' bf16
+// R rows of x (fp32, `K` wide, even) times one block of bf16 w: per pair of k, 32 columns' bf16
 // (w[n][k], w[n][k+1]) pairs, 128 bytes. A bf16 is the top half of an fp32, so shifting a pair
 // left by 16 gives w[n][k] in fp32 and masking its low half gives w[n][k+1]: two integer ops
 // widen 16 weights, and every product and sum is an fp32 FMA.
 template <int R>
-static void block(const float* x, const uint16_t* w, const float* bias, uint16_t* out,
+static void widen_block(const float* x, const uint16_t* w, const float* bias, uint16_t* out,
                   int64_t K, int64_t ldo, int64_t cols) {
   __m512 acc[R][2];
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -88,18 +90,66 @@ static void block(const float* x, const uint16_t* w, const float* bias, uint16_t
     std::memcpy(out + r * ldo, row, cols * sizeof(uint16_t));  // the last block may be partial
   }
 }
+"""
 
-using BlockFn = void (*)(const float*, const uint16_t*, const float*, uint16_t*, int64_t,
-                         int64_t, int64_t);
-static const BlockFn kBlock[kRows + 1] = {nullptr,   block<1>, block<2>,  block<3>, block<4>,
-                                          block<5>,  block<6>, block<7>,  block<8>, block<9>,
-                                          block<10>, block<11>, block<12>};
+# %% ../../nbs/05a_cpu_gemm.ipynb #5a11c0de
+CPU_GEMM_SOURCE = (  # the fp32 block, the driver both share, the two entry points
+    GEMM_BLOCKS_SOURCE
+    + r"""
+// R rows of x times one block of fp32 w: per input, 32 columns' weights (128 bytes), as they are
+template <int R>
+static void fp32_block(const float* x, const float* w, const float* bias, float* out, int64_t K,
+                       int64_t ldo, int64_t cols) {
+  __m512 acc[R][2];
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r][0] = b0, acc[r][1] = b1;
+  for (int64_t k = 0; k < K; ++k, w += kCols) {
+    _mm_prefetch((const char*)(w + kAhead / 2), _MM_HINT_T0);  // the same 2 KB ahead
+    _mm_prefetch((const char*)(w + kAhead / 2 + 16), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[kCols];
+    _mm512_storeu_ps(row, acc[r][0]);
+    _mm512_storeu_ps(row + 16, acc[r][1]);
+    std::memcpy(out + r * ldo, row, cols * sizeof(float));
+  }
+}
 
-// y (M, N) bf16 = x (M, K) bf16 @ w.T + bias; w packed (Np/32, Kp/2, 32, 2), Np and Kp the sizes
-// rounded up to 32 and 2 with zeros; bias fp32 (Np) or null. Returns 0, or -1: no AVX-512 here.
+template <typename W, typename O>
+using BlockFn = void (*)(const float*, const W*, const float*, O*, int64_t, int64_t, int64_t);
+#define HI_BLOCKS(f) \
+  {nullptr, f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>, f<9>, f<10>, f<11>, f<12>}
+static const BlockFn<uint16_t, uint16_t> kWiden[kRows + 1] = HI_BLOCKS(widen_block);
+static const BlockFn<float, float> kFp32[kRows + 1] = HI_BLOCKS(fp32_block);
+
+// every block of 32 columns, blocks split over torch's threads; the rows in as few passes of
+// at most kRows as there must be, of equal size (64 rows: six of 11, not five of 12 and one of 4)
+template <typename W, typename O>
+static void all_blocks(const BlockFn<W, O>* block, const float* x, const W* w, const float* bias,
+                       O* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t blocks = (N + kCols - 1) / kCols, passes = (M + kRows - 1) / kRows;
+  const int64_t per = passes ? (M + passes - 1) / passes : 1;
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      for (int64_t m = 0; m < M; m += per)
+        block[std::min(per, M - m)](x + m * K, w + b * K * kCols, bias ? bias + b * kCols : nullptr,
+                                    y + m * N + b * kCols, K, N, std::min(kCols, N - b * kCols));
+  });
+}
+
+// y (M, N) = x (M, K) @ w.T + bias, w packed in blocks of 32 columns with N rounded up to 32 with
+// zeros (bf16: (Np/32, Kp/2, 32, 2), K rounded up to even; fp32: (Np/32, K, 32)); bias fp32 (Np)
+// or null. Each returns 0, or -1 where the library was built for a CPU without AVX-512.
 extern "C" int hi_bf16_gemm(const uint16_t* x, const uint16_t* w, const float* bias,
                             uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t Kp = K + K % 2, blocks = (N + kCols - 1) / kCols;
+  const int64_t Kp = K + K % 2;
   std::vector<float> xf(M * Kp, 0.0f);  // x widened once; its padding column stays 0
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i)
@@ -108,107 +158,119 @@ extern "C" int hi_bf16_gemm(const uint16_t* x, const uint16_t* w, const float* b
         std::memcpy(&xf[i * Kp + k], &u, 4);
       }
   });
-  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t cols = std::min(kCols, N - b * kCols);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t R = std::min(kRows, M - m);
-        kBlock[R](xf.data() + m * Kp, w + b * Kp * kCols, bias ? bias + b * kCols : nullptr,
-                  y + m * N + b * kCols, Kp, N, cols);
-      }
-    }
-  });
+  all_blocks(kWiden, xf.data(), w, bias, y, M, N, Kp);
+  return 0;
+}
+
+extern "C" int hi_fp32_gemm(const float* x, const float* w, const float* bias, float* y,
+                            int64_t M, int64_t N, int64_t K) {
+  all_blocks(kFp32, x, w, bias, y, M, N, K);
   return 0;
 }
 #else
-extern "C" int hi_bf16_gemm(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t,
-                            int64_t, int64_t) {
+extern "C" int hi_bf16_gemm(const void*, const void*, const float*, void*, int64_t, int64_t,
+                            int64_t) {
   return -1;  // built for a CPU without AVX-512: the caller keeps oneDNN's kernel
+}
+extern "C" int hi_fp32_gemm(const void*, const void*, const float*, void*, int64_t, int64_t,
+                            int64_t) {
+  return -1;
 }
 #endif
 """
+)
 
 # %% ../../nbs/05a_cpu_gemm.ipynb #5a13c0de
 GEMM_COLS = 32  # output columns in a packed block (the kernel's kCols)
-_gemm = {}  # "fn": the compiled function, once built; "error": why there is none
+GEMM_DTYPES = {torch.bfloat16: "hi_bf16_gemm", torch.float32: "hi_fp32_gemm"}
+_gemm = {}  # dtype -> the compiled function, once built; "error": why there is none
 _log = logging.getLogger("hetero_infer.model.cpu_gemm")
 
 
-def pack_bf16_weight(w: torch.Tensor) -> torch.Tensor:
-    "(N, K) bf16 -> (Np/32, Kp/2, 32, 2): per pair of inputs, 32 columns' weight pairs."
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> blocks of 32 columns, N padded to a multiple of 32 with zeros: bf16 as
+    (Np/32, Kp/2, 32, 2), per pair of inputs the columns' weight pairs (K padded to even); fp32 as
+    (Np/32, K, 32), per input the columns' weights."""
     n, k = w.shape
-    n_pad, k_pad = -n % GEMM_COLS, k % 2
-    w = F.pad(w.detach().to(torch.bfloat16), (0, k_pad, 0, n_pad))
-    return w.view(-1, GEMM_COLS, (k + k_pad) // 2, 2).transpose(1, 2).contiguous()
+    w = w.detach()
+    if w.dtype == torch.bfloat16:
+        w = F.pad(w, (0, k % 2, 0, -n % GEMM_COLS))
+        return w.view(-1, GEMM_COLS, (k + k % 2) // 2, 2).transpose(1, 2).contiguous()
+    if w.dtype == torch.float32:
+        w = F.pad(w, (0, 0, 0, -n % GEMM_COLS))
+        return w.view(-1, GEMM_COLS, k).transpose(1, 2).contiguous()
+    raise ValueError(f"w: bf16 or fp32 weights, not {w.dtype}")
 
 
-def bf16_gemm_op():
-    "The compiled kernel (built on the first call, then cached), or None where it cannot run."
+def cpu_gemm_op(dtype: torch.dtype):
+    "The compiled kernel for `dtype` weights (built on the first call, cached), or None."
     if not _gemm:
         t = time.perf_counter()
         try:
-            lib = build_shared_library("bf16_gemm", BF16_GEMM_SOURCE, CPP_FLAGS, CPP_LINK_FLAGS)
-            fn = ctypes.CDLL(str(lib)).hi_bf16_gemm
-            fn.argtypes, fn.restype = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3, ctypes.c_int
-            if fn(None, None, None, None, 0, 0, 0) != 0:
-                raise RuntimeError("this CPU has no AVX-512")
-            _gemm["fn"], _gemm["seconds"] = fn, time.perf_counter() - t
-        except Exception as e:  # no compiler, no AVX-512: oneDNN's kernel serves instead
+            lib = build_shared_library("cpu_gemm", CPU_GEMM_SOURCE, CPP_FLAGS, CPP_LINK_FLAGS)
+            for dt, name in GEMM_DTYPES.items():
+                fn = getattr(ctypes.CDLL(str(lib)), name)
+                fn.argtypes, fn.restype = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3, ctypes.c_int
+                if fn(None, None, None, None, 0, 0, 0) != 0:
+                    raise RuntimeError("this CPU has no AVX-512")
+                _gemm[dt] = fn
+            _gemm["seconds"] = time.perf_counter() - t
+        except Exception as e:  # no compiler, no AVX-512: oneDNN's kernels serve instead
+            _gemm.clear()
             _gemm["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            _log.info(f"bf16 GEMM kernel unavailable ({_gemm['error']}); oneDNN's serves")
-    return _gemm.get("fn")
+            _log.info(f"the CPU GEMM kernel is unavailable ({_gemm['error']}); oneDNN's serve")
+    return _gemm.get(dtype)
 
 
-def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int):
-    "x (M, K) bf16 @ the packed (N, K) weight's transpose, + bias (fp32, padded): (M, N) bf16."
+def cpu_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int):
+    "x (M, K) @ the packed (N, K) weight's transpose + bias (fp32, padded): (M, N), x's dtype."
     m, k = x.shape
-    if x.dtype != torch.bfloat16 or packed.shape[1] != (k + k % 2) // 2:
-        raise ValueError(
-            f"x: expected (M, {2 * packed.shape[1]}) bf16, got {tuple(x.shape)} {x.dtype}"
-        )
+    want = (k + k % 2) // 2 if packed.dim() == 4 else k
+    if x.dtype != packed.dtype or packed.shape[1] != want:
+        raise ValueError(f"x: expected (M, {k}) {packed.dtype}, got {tuple(x.shape)} {x.dtype}")
     x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.bfloat16)
+    y = torch.empty(m, n, dtype=x.dtype)
     b = None if bias is None else bias.data_ptr()
-    if bf16_gemm_op()(x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k) != 0:
-        raise RuntimeError("the bf16 GEMM kernel was built for a CPU without AVX-512")
+    if cpu_gemm_op(x.dtype)(x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k) != 0:
+        raise RuntimeError("the CPU GEMM kernel was built for a CPU without AVX-512")
     return y
 
 
 # %% ../../nbs/05a_cpu_gemm.ipynb #5a18c0de
-CPU_GEMM_ENV = "HETERO_INFER_CPU_GEMM"  # "0": never the widening kernel, "1": wherever it runs
-WIDEN_MIN_GAIN = 1.05  # its speed over the kernel it replaces from which a runner takes it
+CPU_GEMM_ENV = "HETERO_INFER_CPU_GEMM"  # "0": never this chapter's kernel, "1": wherever it runs
+KERNEL_MIN_GAIN = 1.05  # its speed over the kernel it replaces from which a runner takes it
 
 
-class WidenedLinear(torch.nn.Module):
-    "A bf16 `nn.Linear` whose weight the widening kernel multiplies: bf16 bytes, fp32 arithmetic."
+class BlockedLinear(torch.nn.Module):
+    "An `nn.Linear` (bf16 or fp32) whose weight this chapter's kernel multiplies, in its blocks."
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = pack_bf16_weight(linear.weight)
-        self.weight = torch.nn.Parameter(w, requires_grad=False)  # (Np/32, Kp/2, 32, 2)
+        self.weight = torch.nn.Parameter(pack_weight(linear.weight), requires_grad=False)
         self.bias = linear.bias
         b = None if linear.bias is None else linear.bias.detach().float()
         b = None if b is None else F.pad(b, (0, -self.out_features % GEMM_COLS))
         self.register_buffer("bias32", b, persistent=False)  # the bias in fp32, padded
 
     def forward(self, x):  # (..., in) -> (..., out)
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = bf16_gemm(rows, self.weight, self.bias32, self.out_features)
+        rows = x.reshape(-1, self.in_features).to(self.weight.dtype)
+        y = cpu_gemm(rows, self.weight, self.bias32, self.out_features)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 @functools.cache
-def widening_gain(rows=(1, 16, 64), size: int = 1024, copies: int = 4) -> float:
-    """How many times faster the widening kernel is than what a bf16 projection gets without it
-    (oneDNN's packed kernel, or torch's plain one where oneDNN packs no bf16), at the slowest of
-    `rows`; measured once per process on `copies` random `size` x `size` weights taken in turn."""
-    lins = [torch.nn.Linear(size, size, bias=False).bfloat16() for _ in range(copies)]
-    base = [PackedLinear(l) if can_pack(torch.bfloat16) else l for l in lins]
-    ours = [WidenedLinear(l) for l in lins]
+def kernel_gain(dtype: torch.dtype, rows=(1, 16, 64), size: int = 1024, copies: int = 4) -> float:
+    """How many times faster this chapter's kernel multiplies `dtype` weights than the kernel a
+    projection gets without it (oneDNN's packed one, or torch's plain one where oneDNN packs none),
+    at the slowest of `rows`; measured once per process on `copies` random `size` x `size` weights
+    taken in turn."""
+    lins = [torch.nn.Linear(size, size, bias=False).to(dtype) for _ in range(copies)]
+    base = [PackedLinear(l) if can_pack(dtype) else l for l in lins]
+    ours = [BlockedLinear(l) for l in lins]
     gains = []
     for m in rows:
-        x, times = torch.randn(m, size).bfloat16(), {}
+        x, times = torch.randn(m, size).to(dtype), {}
         for _ in range(3):  # in turns; the fastest of each
             for name, layers in (("base", base), ("ours", ours)):
                 t = time.perf_counter()
@@ -220,15 +282,15 @@ def widening_gain(rows=(1, 16, 64), size: int = 1024, copies: int = 4) -> float:
 
 
 @register_runner_setup
-def widened_bf16_setup(runner) -> list[str]:
-    "A bf16 model on a CPU where the widening kernel is the faster: its big projections by it."
-    choice = os.environ.get(CPU_GEMM_ENV)
-    if choice == "0" or runner.device.type != "cpu" or runner.dtype != torch.bfloat16:
+def cpu_gemm_setup(runner) -> list[str]:
+    "A bf16 or fp32 CPU model whose projections this chapter's kernel multiplies faster: by it."
+    choice, dt = os.environ.get(CPU_GEMM_ENV), runner.dtype
+    if choice == "0" or runner.device.type != "cpu" or dt not in GEMM_DTYPES:
         return []
-    if runner.config.quantization or bf16_gemm_op() is None:
+    if runner.config.quantization or cpu_gemm_op(dt) is None:
         return []
-    gain = widening_gain()
-    if gain < WIDEN_MIN_GAIN and choice != "1":
-        return [f"bf16 projections by oneDNN: the widening kernel is {gain:.2f}x as fast here"]
-    n = pack_linears(runner.model, make=WidenedLinear)
-    return [f"{n} bf16 projections by the widening kernel: {gain:.2f}x oneDNN's speed here"]
+    gain, name = kernel_gain(dt), str(dt)[6:]
+    if gain < KERNEL_MIN_GAIN and choice != "1":
+        return [f"{name} projections by oneDNN: the blocked kernel is {gain:.2f}x as fast here"]
+    n = pack_linears(runner.model, make=BlockedLinear)
+    return [f"{n} {name} projections by the blocked kernel: {gain:.2f}x oneDNN's speed here"]
