@@ -238,7 +238,7 @@ def cpu_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n
 
 # %% ../../nbs/05a_cpu_gemm.ipynb #5a18c0de
 CPU_GEMM_ENV = "HETERO_INFER_CPU_GEMM"  # "0": never this chapter's kernel, "1": wherever it runs
-KERNEL_MIN_GAIN = 1.05  # its speed over the kernel it replaces from which a runner takes it
+KERNEL_MIN_GAIN = 1.0  # its speed over the kernel it replaces from which a runner takes it
 
 
 class BlockedLinear(torch.nn.Module):
